@@ -1,0 +1,49 @@
+"""The attention function registered with transformers' AttentionInterface, and backend selection."""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+from transformers import AttentionInterface
+
+from . import sdpa_paged
+from .metadata import AttnMetadata
+
+ATTN_IMPLEMENTATION = "cb_sync_paged"
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None,
+                            cb_meta: AttnMetadata | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Store this step's K/V in the layer's paged cache, then attend over each request's cached context.
+
+    query/key/value arrive as [1, heads, T, head_dim]; returns [1, T, heads, head_dim] as transformers expects.
+    """
+    if cb_meta is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the cb_meta batch metadata; "
+                           "it runs only inside SyncCBDriver.generate()")
+    layer = module.layer_idx
+    k_cache, v_cache = cb_meta.k_caches[layer], cb_meta.v_caches[layer]
+    backend = cb_meta.backend
+    backend.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, cb_meta.slot_mapping)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = backend.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, cb_meta.block_tables,
+                                  cb_meta.seq_lens, cb_meta.query_start_loc, cb_meta.max_query_len,
+                                  cb_meta.max_seq_len, scale, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def select_backend(name: str, device: torch.device) -> ModuleType:
+    """Resolve "auto" | "sdpa_paged" | "triton" to a backend module: auto is Triton on CUDA, else sdpa_paged."""
+    if name == "sdpa_paged" or (name == "auto" and device.type != "cuda"):
+        return sdpa_paged
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attn_backend='triton' needs a CUDA model (or TRITON_INTERPRET=1 for tests)")
+    from . import triton_ops
+    return triton_ops

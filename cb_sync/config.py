@@ -1,0 +1,93 @@
+"""User-facing configuration: CBConfig (engine) and SamplingParams (per request), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTN_BACKENDS = ("auto", "sdpa_paged", "triton")
+
+
+@dataclass
+class CBConfig:
+    """Engine settings for SyncCBDriver.
+
+    block_size: tokens per KV block.
+    num_blocks: KV blocks to allocate; None sizes the cache to each call's needs, within max_cache_gib.
+    max_batch_tokens: token budget of one step, shared by prefill chunks and decodes.
+    max_batch_size: most requests running at once.
+    attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton".
+    cuda_graphs: replay captured graphs for pure-decode steps (CUDA only).
+    compile: torch.compile the decode step before capture (CUDA only).
+    max_cache_gib: cap on KV memory when num_blocks is None.
+    prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
+    progress_bar: None = only when stderr is a terminal.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_batch_tokens: int = 512
+    max_batch_size: int = 64
+    attn_backend: str = "auto"
+    cuda_graphs: bool = True
+    compile: bool = False
+    max_cache_gib: float = 16.0
+    prefix_sharing: bool = True
+    progress_bar: bool | None = None
+
+    def __post_init__(self):
+        _positive("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+        _positive("max_batch_tokens", self.max_batch_tokens)
+        _positive("max_batch_size", self.max_batch_size)
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        if not self.max_cache_gib > 0:
+            raise ValueError(f"max_cache_gib must be > 0, got {self.max_cache_gib!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p).
+
+    seed: None draws a fresh seed per request from torch's global generator.
+    eos_token_id: int, list of ints, or None for the model's generation config.
+    stop_token_ids: extra tokens that end the request with finish_reason "stop".
+    logprobs: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy).
+    """
+
+    max_new_tokens: int = 256
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    eos_token_id: int | list[int] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: bool = False
+
+    def __post_init__(self):
+        _positive("max_new_tokens", self.max_new_tokens)
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1):
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        for name, ids in (("eos_token_id", self.eos_token_id), ("stop_token_ids", self.stop_token_ids)):
+            if ids is None:
+                continue
+            for t in [ids] if isinstance(ids, int) else ids:
+                if not (isinstance(t, int) and t >= 0):
+                    raise ValueError(f"{name} must hold ints >= 0, got {ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,126 @@
+"""SyncCBDriver: owns the KV cache, scheduler and runner, and runs the generate() loop on the caller's thread."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .attention import select_backend
+from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
+from .config import CBConfig, SamplingParams
+from .model_state import base_model, generation_mode
+from .request import GenerationResult, Request
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+
+class SyncCBDriver:
+    """Generates from a Hugging Face causal LM (PEFT-wrapped or not) by synchronous continuous batching.
+
+    The driver runs the very modules it is given: weight updates between calls are seen by the next call.
+    KV memory is allocated for each call's needs and kept for the next one until release().
+    """
+
+    def __init__(self, model: torch.nn.Module, config: CBConfig | None = None):
+        self.model = model
+        self.config = config or CBConfig()
+        base = base_model(model)
+        text_config = base.config.get_text_config()
+        embeddings = base.get_input_embeddings().weight
+        self.device = embeddings.device
+        self.vocab_size = base.get_output_embeddings().weight.shape[0]
+        self.default_eos = base.generation_config.eos_token_id if base.generation_config else None
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
+                                  embeddings.dtype, self.device)
+        self.backend = select_backend(self.config.attn_backend, self.device)
+        self.runner = ModelRunner(model, self.cache, self.backend, self.device)
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress_bar: bool | None = None) -> list[GenerationResult]:
+        """Generate a continuation for every prompt (lists of token ids); results come back in input order.
+
+        params: one SamplingParams for all prompts, or one per prompt. Bad input raises ValueError before any work.
+        """
+        if len(prompts) == 0:
+            return []
+        requests = self._build_requests(prompts, params)
+        capacity = self._capacity_blocks()
+        for request in requests:
+            if blocks_for(request.max_tokens, self.config.block_size) > capacity:
+                raise ValueError(
+                    f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
+                    f"{request.params.max_new_tokens} needs {blocks_for(request.max_tokens, self.config.block_size)}"
+                    f" KV blocks of {self.config.block_size} tokens, but the cache holds at most {capacity}")
+        num_blocks = self.config.num_blocks or blocks_to_allocate(
+            [r.max_tokens for r in requests], self.config.block_size, self.cache.bytes_per_block,
+            self.config.max_cache_gib)
+        show = self.config.progress_bar if progress_bar is None else progress_bar
+        with generation_mode(self.model), tqdm(total=sum(r.params.max_new_tokens for r in requests),
+                                               disable=not (sys.stderr.isatty() if show is None else show),
+                                               unit="tok", desc="cb_sync") as bar:
+            self.cache.ensure(num_blocks)
+            self._run(requests, bar)
+        return [GenerationResult.of(r) for r in requests]
+
+    def release(self) -> None:
+        """Free the KV cache so its memory can serve training; the next generate() allocates it again."""
+        self.cache.release()
+
+    def _run(self, requests: list[Request], bar: tqdm) -> None:
+        cfg = self.config
+        scheduler = Scheduler(BlockAllocator(self.cache.num_blocks), cfg.block_size, cfg.max_batch_tokens,
+                              cfg.max_batch_size, cfg.prefix_sharing)
+        for request in requests:
+            scheduler.add(request)
+        while scheduler.has_work():
+            plan = scheduler.schedule()
+            if not plan:
+                raise RuntimeError("the scheduler could not place any request in the cache")
+            sampled, tokens, logprobs = self.runner.step(plan)
+            for request, token, logprob in zip(sampled, tokens, logprobs):
+                request.append(token, logprob)
+            for request in scheduler.finish_step(plan):
+                bar.update(request.params.max_new_tokens - len(request.output))
+            bar.update(len(sampled))
+
+    def _capacity_blocks(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        return int(self.config.max_cache_gib * 2**30) // self.cache.bytes_per_block
+
+    def _build_requests(self, prompts, params) -> list[Request]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        requests = []
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"request {index}: params must be SamplingParams, got {type(p).__name__}")
+            tokens = self._check_prompt(index, prompt)
+            eos = p.eos_token_id if p.eos_token_id is not None else self.default_eos
+            eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+            requests.append(Request(index, tokens, p, p.seed if p.seed is not None else seeds[index], eos_ids))
+        return requests
+
+    def _check_prompt(self, index: int, prompt) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError(f"request {index}: empty prompt")
+        for position, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(f"request {index}: token {token!r} at position {position} is not an id in "
+                                 f"[0, {self.vocab_size})")
+        return list(prompt)

@@ -1,0 +1,32 @@
+"""Entering and leaving generation: attention implementation, eval mode, inference mode, always restored."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .attention import ATTN_IMPLEMENTATION
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers PreTrainedModel under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextmanager
+def generation_mode(model: torch.nn.Module):
+    """Run the model with paged attention, in eval and inference mode; restore every module's training flag
+    and the attention implementation afterwards, also when the body raises."""
+    base = base_model(model)
+    flags = [(module, module.training) for module in model.modules()]
+    previous = base.config._attn_implementation
+    base.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        model.eval()
+        with torch.inference_mode():
+            yield
+    finally:
+        base.set_attn_implementation(previous)
+        for module, training in flags:
+            module.training = training

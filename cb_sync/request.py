@@ -1,0 +1,80 @@
+"""Per-request state: tokens so far, KV blocks held, sampling seed, and how it finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .config import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt's journey through the engine.
+
+    num_computed counts the leading tokens whose K/V is in the cache; the next step feeds the tokens after it.
+    """
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    eos_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output."""
+        plen = len(self.prompt)
+        if stop <= plen:
+            return self.prompt[start:stop]
+        return (self.prompt[start:] if start < plen else []) + self.output[max(start - plen, 0):stop - plen]
+
+    def append(self, token: int, logprob: float | None) -> None:
+        """Add a sampled token and decide whether the request is done."""
+        self.output.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if token in self.eos_ids:
+            self.finish_reason = "eos"
+        elif token in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            self.status = Status.FINISHED
+
+
+@dataclass
+class GenerationResult:
+    """What generate() returns for one prompt, in input order."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+
+    @classmethod
+    def of(cls, request: Request) -> GenerationResult:
+        return cls(request.index, request.prompt, request.output,
+                   request.logprobs if request.params.logprobs else None, request.finish_reason)

@@ -1,0 +1,81 @@
+"""ModelRunner: turns a step plan into flat model inputs and attention metadata, runs the model, samples."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .attention import AttnMetadata
+from .cache import PagedKVCache
+from .request import Request
+from .sampling import SamplingBatch, sample
+from .scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    """Runs one step of the flat batch through the model as is (attention comes from the registered backend)."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: ModuleType, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.device = device
+
+    def step(self, plan: list[ScheduledChunk]) -> tuple[list[Request], list[int], list[float]]:
+        """Run the plan; return the requests that sampled, their new tokens and those tokens' logprobs."""
+        inputs, meta, sample_rows, samplers = self.prepare(plan)
+        logits = self.model(**inputs, cb_meta=meta, logits_to_keep=sample_rows, use_cache=False).logits[0]
+        if not samplers:
+            return [], [], []
+        tokens, logprobs = sample(logits, self.sampling_batch(samplers))
+        host = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        return samplers, [int(t) for t in host[0]], host[1]
+
+    def prepare(self, plan: list[ScheduledChunk]):
+        """Flat input_ids/position_ids [1, T], attention metadata, the rows to sample and their requests."""
+        block_size = self.cache.block_size
+        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        sample_rows, samplers = [], []
+        for chunk in plan:
+            request, stop = chunk.request, chunk.start + chunk.length
+            ids += request.token_slice(chunk.start, stop)
+            positions += range(chunk.start, stop)
+            blocks = request.blocks
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(chunk.start, stop)]
+            seq_lens.append(stop)
+            starts.append(starts[-1] + chunk.length)
+            if chunk.samples:
+                sample_rows.append(starts[-1] - 1)
+                samplers.append(request)
+        width = max(len(chunk.request.blocks) for chunk in plan)
+        tables = [chunk.request.blocks + [0] * (width - len(chunk.request.blocks)) for chunk in plan]
+        device = self.device
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+            block_tables=torch.tensor(tables, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+            max_query_len=max(chunk.length for chunk in plan), max_seq_len=max(seq_lens),
+            k_caches=self.cache.k_caches, v_caches=self.cache.v_caches, backend=self.backend)
+        inputs = {"input_ids": torch.tensor([ids]).to(device, non_blocking=True),
+                  "position_ids": torch.tensor([positions]).to(device, non_blocking=True)}
+        return inputs, meta, torch.tensor(sample_rows, dtype=torch.int64).to(device), samplers
+
+    def sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.params for r in requests]
+        do_sample = [p.do_sample for p in params]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        return SamplingBatch(
+            do_sample=col(do_sample, torch.bool),
+            temperature=col([p.temperature if p.do_sample else 1.0 for p in params], torch.float32),
+            top_k=col([p.top_k for p in params], torch.int64),
+            top_p=col([p.top_p for p in params], torch.float32),
+            min_p=col([p.min_p for p in params], torch.float32),
+            seeds=col([r.seed for r in requests], torch.int64),
+            positions=col([len(r.output) for r in requests], torch.int64),
+            any_sample=any(do_sample),
+            any_filter=any(p.do_sample and (p.top_k or p.top_p < 1 or p.min_p > 0) for p in params))

@@ -1,0 +1,90 @@
+"""GPU sampling: greedy, temperature, top-k, top-p, min-p (HF order and semantics), counter-based noise, logprobs.
+
+The noise for request r at output position t and token v is a hash of (r's seed, t, v): the same request and
+seed give the same tokens whatever else is in the batch, and no generator state is carried between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 32-bit x without overflowing int64."""
+    lo = (x & 0xFFFF) * c
+    hi = ((x >> 16) * c) & 0xFFFF
+    return (lo + (hi << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) float32 noise per (seed [S], position [S], token id [S, V]); depends on nothing else."""
+    key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ _mix32(positions & _MASK32)))
+    bits = _mix32(key[:, None] ^ _mix32(token_ids ^ 0x9E3779B9))
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters for the S rows that sample this step (tensors on the logits' device)."""
+
+    do_sample: torch.Tensor     # bool [S]
+    temperature: torch.Tensor   # float32 [S], 1 for greedy rows
+    top_k: torch.Tensor         # int64 [S], 0 = off
+    top_p: torch.Tensor         # float32 [S]
+    min_p: torch.Tensor         # float32 [S]
+    seeds: torch.Tensor         # int64 [S]
+    positions: torch.Tensor     # int64 [S], index of the token being sampled among the request's outputs
+    any_sample: bool
+    any_filter: bool
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose one token per row of logits [S, V]; returns (token ids int64 [S], their logprobs float32 [S]).
+
+    Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes);
+    greedy rows use temperature 1.
+    """
+    scaled = logits.float() / batch.temperature[:, None]
+    tokens = scaled.argmax(dim=-1)
+    if batch.any_sample:
+        sampled = _sample_filtered(scaled, batch) if batch.any_filter else _gumbel_argmax(scaled, batch, None)
+        tokens = torch.where(batch.do_sample, sampled, tokens)
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """Index of max(scores + Gumbel noise) per row: a draw from softmax(scores)."""
+    if token_ids is None:
+        token_ids = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
+    u = uniform_noise(batch.seeds, batch.positions, token_ids)
+    return (scores - torch.log(-torch.log(u))).argmax(dim=-1)
+
+
+def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Apply top-k, then top-p, then min-p (each renormalising over what the previous kept), then draw."""
+    values, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(values.shape[1], device=values.device)[None, :]
+    keep = (batch.top_k[:, None] == 0) | (ranks < batch.top_k[:, None])
+    values = values.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    keep &= (probs.cumsum(dim=-1) - probs) < batch.top_p[:, None]
+    values = values.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    keep &= probs >= batch.min_p[:, None] * probs[:, :1]
+    values = values.masked_fill(~keep, float("-inf"))
+    choice = _gumbel_argmax(values, batch, order)
+    return order.gather(1, choice[:, None])[:, 0]

@@ -1,0 +1,158 @@
+"""FIFO scheduler: one token budget per step for decodes and prefill chunks; preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..cache import BlockAllocator, blocks_for
+from ..request import Request, Status
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """request feeds tokens [start, start + length); it samples when that reaches its last token."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == self.request.num_tokens
+
+
+class Scheduler:
+    """Admits requests in arrival order and plans each step within max_batch_tokens and the free KV blocks.
+
+    Running requests are served oldest first. When blocks run out, the newest running request is preempted:
+    its blocks are freed and it returns to the head of the queue to be recomputed later (its sampled tokens
+    are kept, and sampling is keyed by position, so the result does not change).
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int,
+                 max_batch_size: int, prefix_sharing: bool = True):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.prefix_sharing = prefix_sharing
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_batch_tokens
+        plan: list[ScheduledChunk] = []
+        preempted = False
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not Status.RUNNING:      # preempted earlier in this loop
+                continue
+            length = min(request.num_tokens - request.num_computed, budget)
+            while not self._reserve(request, request.num_computed + length):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is Status.RUNNING:
+                plan.append(ScheduledChunk(request, request.num_computed, length))
+                budget -= length
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_batch_size:
+            request = self.waiting[0]
+            if self._waits_for_shared_prefix(request):
+                break
+            self._share_prefix(request)
+            length = min(request.num_tokens - request.num_computed, budget)
+            if not self._reserve(request, request.num_computed + length):
+                self._release(request)
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            plan.append(ScheduledChunk(request, request.num_computed, length))
+            budget -= length
+        return plan
+
+    def finish_step(self, plan: list[ScheduledChunk]) -> list[Request]:
+        """Advance the computed counts after a step; free and return the requests that finished."""
+        finished = []
+        for chunk in plan:
+            request = chunk.request
+            before = request.num_computed
+            request.num_computed = chunk.start + chunk.length
+            if self.prefix_sharing:
+                self._register_full_blocks(request, before)
+            if request.status is Status.FINISHED:
+                self._release(request)
+                self.running.remove(request)
+                finished.append(request)
+        return finished
+
+    # -- blocks ---------------------------------------------------------------------------------------------
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        missing = blocks_for(num_tokens, self.block_size) - len(request.blocks)
+        if missing > self.allocator.num_free:
+            return False
+        request.blocks.extend(self.allocator.allocate() for _ in range(missing))
+        return True
+
+    def _release(self, request: Request) -> None:
+        for block in request.blocks:
+            self.allocator.free(block)
+        request.blocks = []
+        request.num_computed = 0
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- prefix sharing -------------------------------------------------------------------------------------
+
+    def _prefix_hashes(self, request: Request) -> list[int]:
+        """Hashes of the full prompt blocks that may be shared (the last prompt token always stays private)."""
+        hashes, running_hash = [], 0
+        for b in range((len(request.prompt) - 1) // self.block_size):
+            running_hash = hash((running_hash, *request.prompt[b * self.block_size:(b + 1) * self.block_size]))
+            hashes.append(running_hash)
+        return hashes
+
+    def _share_prefix(self, request: Request) -> None:
+        if not self.prefix_sharing or request.blocks:
+            return
+        for prefix_hash in self._prefix_hashes(request):
+            block = self.allocator.lookup(prefix_hash)
+            if block is None:
+                break
+            self.allocator.share(block)
+            request.blocks.append(block)
+        request.num_computed = len(request.blocks) * self.block_size
+
+    def _waits_for_shared_prefix(self, request: Request) -> bool:
+        """True when a running request is still computing this request's first prompt block: wait one step
+        and share it instead of computing it twice (the G copies of a GRPO prompt)."""
+        if not self.prefix_sharing or request.blocks:
+            return False
+        hashes = self._prefix_hashes(request)
+        if not hashes or self.allocator.lookup(hashes[0]) is not None:
+            return False
+        return any(other.num_computed < self.block_size <= len(other.prompt) - 1
+                   and other.prompt[:self.block_size] == request.prompt[:self.block_size]
+                   for other in self.running)
+
+    def _register_full_blocks(self, request: Request, computed_before: int) -> None:
+        shareable = self._prefix_hashes(request) if computed_before < len(request.prompt) else []
+        for b in range(computed_before // self.block_size, min(request.num_computed // self.block_size,
+                                                               len(shareable))):
+            self.allocator.register(request.blocks[b], shareable[b])

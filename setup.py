@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="cb_sync",
+    version="0.1.0",
+    description="Synchronous continuous batching for Hugging Face causal LMs, from the very modules being trained",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["cb_sync", "cb_sync.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "transformers>=5.0,<6", "tqdm"],
+    extras_require={
+        "gpu": ["triton>=3.2"],
+        "trl": ["trl>=1.16,<2", "peft>=0.17", "datasets"],
+        "test": ["pytest", "hypothesis", "peft>=0.17", "triton>=3.2", "trl>=1.16,<2", "datasets"],
+    },
+    entry_points={"console_scripts": ["cb-sync=cb_sync.cli:main"]},
+)

@@ -1,0 +1,122 @@
+"""Driver API: bad input, state restored after every call, weight updates seen, cache release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+
+from conftest import VOCAB, hf_greedy, make_model, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("qwen3")
+
+
+def test_empty_call_returns_empty(model):
+    assert SyncCBDriver(model).generate([]) == []
+
+
+@pytest.mark.parametrize("prompts,match", [
+    ([[1, 2], []], "request 1: empty prompt"),
+    ([[1, VOCAB]], f"request 0: token {VOCAB} at position 1"),
+    ([[-1]], "request 0: token -1"),
+    ([[1, 2.5]], "request 0: token 2.5"),
+    (["hello"], "request 0: a prompt must be a list of token ids"),
+])
+def test_bad_prompts_raise_before_any_work(model, prompts, match):
+    driver = SyncCBDriver(model)
+    calls = []
+    driver.runner.step = lambda plan: calls.append(plan)
+    with pytest.raises(ValueError, match=match):
+        driver.generate(prompts, SamplingParams(max_new_tokens=2))
+    assert calls == []
+
+
+def test_request_that_cannot_fit_the_cache_raises(model):
+    driver = SyncCBDriver(model, CBConfig(block_size=4, num_blocks=5))
+    with pytest.raises(ValueError, match=r"request 1: prompt of 15 tokens plus max_new_tokens=6 needs 6 KV blocks"):
+        driver.generate(random_prompts([3, 15]), SamplingParams(max_new_tokens=6))
+    assert driver.generate(random_prompts([3]), SamplingParams(max_new_tokens=6))[0].finish_reason == "length"
+
+
+def test_params_list_must_match_prompts(model):
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        SyncCBDriver(model).generate(random_prompts([3, 4]), [SamplingParams()])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": 0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"min_p": 1.0}, "min_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"seed": -3}, "seed"), ({"eos_token_id": [1, -2]}, "eos_token_id"), ({"stop_token_ids": ["a"]}, "stop")])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_size": 0}, "block_size"), ({"num_blocks": -1}, "num_blocks"), ({"attn_backend": "x"}, "attn_backend"),
+    ({"max_batch_tokens": 1.5}, "max_batch_tokens"), ({"max_cache_gib": 0}, "max_cache_gib")])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CBConfig(**kwargs)
+
+
+def test_state_restored_after_call_and_after_error():
+    model = make_model("llama", lora=True)
+    model.train()
+    model.base_model.model.model.layers[0].eval()          # a mixed pattern of flags must survive
+    flags = [m.training for m in model.modules()]
+    impl = model.get_base_model().config._attn_implementation
+    driver = SyncCBDriver(model)
+    driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))
+    assert [m.training for m in model.modules()] == flags
+    assert model.get_base_model().config._attn_implementation == impl
+
+    def boom(plan):
+        raise RuntimeError("boom")
+
+    original = driver.runner.step
+    driver.runner.step = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))
+    assert [m.training for m in model.modules()] == flags
+    assert model.get_base_model().config._attn_implementation == impl
+    driver.runner.step = original
+    assert len(driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
+def test_in_place_weight_updates_are_seen():
+    model = make_model("qwen3", lora=True)
+    driver = SyncCBDriver(model)
+    prompt = random_prompts([10])[0]
+    before = driver.generate([prompt], SamplingParams(max_new_tokens=8))[0].token_ids
+    lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
+    model.train()
+    optimizer = torch.optim.SGD(lora_params, lr=5.0)
+    loss = model(torch.tensor([prompt]), labels=torch.tensor([prompt])).loss
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    after = driver.generate([prompt], SamplingParams(max_new_tokens=8))[0].token_ids
+    assert after == hf_greedy(model, prompt, 8)
+    assert after != before
+
+
+def test_release_then_generate_again(model):
+    driver = SyncCBDriver(model)
+    prompts = random_prompts([7, 12])
+    first = driver.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert driver.cache.num_blocks > 0
+    driver.release()
+    assert driver.cache.num_blocks == 0 and driver.cache.k_caches == []
+    second = driver.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+
+
+def test_cache_is_sized_to_the_call(model):
+    driver = SyncCBDriver(model, CBConfig(block_size=16))
+    driver.generate(random_prompts([10, 40]), SamplingParams(max_new_tokens=8))
+    assert driver.cache.num_blocks == 2 + 3        # ceil(18 / 16) + ceil(48 / 16)
