@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from .attention import select_backend
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
+from .graphs.decode_graphs import DecodeGraphs
 from .model_state import base_model, generation_mode
 from .request import GenerationResult, Request
 from .runner import ModelRunner
@@ -38,7 +39,11 @@ class SyncCBDriver:
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
                                   embeddings.dtype, self.device)
         self.backend = select_backend(self.config.attn_backend, self.device)
-        self.runner = ModelRunner(model, self.cache, self.backend, self.device)
+        self.graphs = None
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.cache, self.backend, self.config.max_batch_size,
+                                       self.config.compile)
+        self.runner = ModelRunner(model, self.cache, self.backend, self.device, self.graphs)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -65,12 +70,17 @@ class SyncCBDriver:
                                                disable=not (sys.stderr.isatty() if show is None else show),
                                                unit="tok", desc="cb_sync") as bar:
             self.cache.ensure(num_blocks)
+            if self.graphs is not None:
+                self.graphs.begin_call(max(blocks_for(r.max_tokens, self.config.block_size) for r in requests))
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
 
     def release(self) -> None:
-        """Free the KV cache so its memory can serve training; the next generate() allocates it again."""
+        """Free the KV cache and captured graphs so their memory can serve training; the next generate()
+        allocates and captures again."""
         self.cache.release()
+        if self.graphs is not None:
+            self.graphs.release()
 
     def _run(self, requests: list[Request], bar: tqdm) -> None:
         cfg = self.config

@@ -9,26 +9,36 @@ import torch
 from .attention import AttnMetadata
 from .cache import PagedKVCache
 from .request import Request
-from .sampling import SamplingBatch, sample
+from .graphs import is_pure_decode
+from .graphs.decode_graphs import DecodeGraphs
+from .sampling import sample, sampling_batch
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
     """Runs one step of the flat batch through the model as is (attention comes from the registered backend)."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: ModuleType, device: torch.device):
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: ModuleType, device: torch.device,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
         self.backend = backend
         self.device = device
+        self.graphs = graphs
 
     def step(self, plan: list[ScheduledChunk]) -> tuple[list[Request], list[int], list[float]]:
-        """Run the plan; return the requests that sampled, their new tokens and those tokens' logprobs."""
+        """Run the plan; return the requests that sampled, their new tokens and those tokens' logprobs.
+
+        Pure-decode plans replay a captured graph when graphs are on; everything else runs eagerly.
+        """
+        if self.graphs is not None and len(plan) <= self.graphs.max_batch and is_pure_decode(plan):
+            requests = [chunk.request for chunk in plan]
+            return requests, *self.graphs.run(requests)
         inputs, meta, sample_rows, samplers = self.prepare(plan)
         logits = self.model(**inputs, cb_meta=meta, logits_to_keep=sample_rows, use_cache=False).logits[0]
         if not samplers:
             return [], [], []
-        tokens, logprobs = sample(logits, self.sampling_batch(samplers))
+        tokens, logprobs = sample(logits, sampling_batch(samplers, self.device))
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()
         return samplers, [int(t) for t in host[0]], host[1]
 
@@ -61,21 +71,3 @@ class ModelRunner:
         inputs = {"input_ids": torch.tensor([ids]).to(device, non_blocking=True),
                   "position_ids": torch.tensor([positions]).to(device, non_blocking=True)}
         return inputs, meta, torch.tensor(sample_rows, dtype=torch.int64).to(device), samplers
-
-    def sampling_batch(self, requests: list[Request]) -> SamplingBatch:
-        params = [r.params for r in requests]
-        do_sample = [p.do_sample for p in params]
-
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        return SamplingBatch(
-            do_sample=col(do_sample, torch.bool),
-            temperature=col([p.temperature if p.do_sample else 1.0 for p in params], torch.float32),
-            top_k=col([p.top_k for p in params], torch.int64),
-            top_p=col([p.top_p for p in params], torch.float32),
-            min_p=col([p.min_p for p in params], torch.float32),
-            seeds=col([r.seed for r in requests], torch.int64),
-            positions=col([len(r.output) for r in requests], torch.int64),
-            any_sample=any(do_sample),
-            any_filter=any(p.do_sample and (p.top_k or p.top_p < 1 or p.min_p > 0) for p in params))

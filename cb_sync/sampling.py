@@ -51,6 +51,29 @@ class SamplingBatch:
     any_filter: bool
 
 
+def sampling_columns(requests) -> dict[str, tuple[list, torch.dtype]]:
+    """Host-side values of each SamplingBatch tensor for these requests (greedy rows get temperature 1)."""
+    params = [r.params for r in requests]
+    return {
+        "do_sample": ([p.do_sample for p in params], torch.bool),
+        "temperature": ([p.temperature if p.do_sample else 1.0 for p in params], torch.float32),
+        "top_k": ([p.top_k for p in params], torch.int64),
+        "top_p": ([float(p.top_p) for p in params], torch.float32),
+        "min_p": ([float(p.min_p) for p in params], torch.float32),
+        "seeds": ([r.seed for r in requests], torch.int64),
+        "positions": ([len(r.output) for r in requests], torch.int64),
+    }
+
+
+def sampling_batch(requests, device: torch.device) -> SamplingBatch:
+    """A SamplingBatch on `device` for the requests that sample this step."""
+    columns = {name: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+               for name, (values, dtype) in sampling_columns(requests).items()}
+    params = [r.params for r in requests]
+    return SamplingBatch(**columns, any_sample=any(p.do_sample for p in params),
+                         any_filter=any(p.do_sample and (p.top_k or p.top_p < 1 or p.min_p > 0) for p in params))
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row of logits [S, V]; returns (token ids int64 [S], their logprobs float32 [S]).
 

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels run on the CPU, before anything imports triton
+
+import pytest
 from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config,
                           Qwen3Config)
 

@@ -1,0 +1,1 @@
+"""Benchmarks: decode-step latency, throughput against peers, GRPO steps."""

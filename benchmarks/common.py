@@ -1,0 +1,77 @@
+"""Shared benchmark pieces: the Qwen3-4B-shaped model, the roofline, and the result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+WEIGHT_BYTES = 8.06e9          # Qwen3-4B bf16 incl. the 0.78 GB tied lm_head
+LORA_BYTES = 0.13e9
+KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2
+COPY_BANDWIDTH = 4.25e12
+
+
+def qwen3_4b_config(tiny: bool = False):
+    from transformers import Qwen3Config
+    if tiny:
+        return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, max_position_embeddings=40960)
+
+
+def build_model(lora: bool, tiny: bool = False, device: str = "cuda", dtype=torch.bfloat16):
+    """The benchmark model with random weights, built on the device; LoRA r32 on all 7 projections."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen3_4b_config(tiny), dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 1e-3)
+        model.eval()
+    return model
+
+
+def floor_seconds_per_step(batch: int, context: int, lora: bool) -> float:
+    """Bandwidth floor of one decode step: weights (+ adapter) + the batch's KV read once."""
+    return (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + KV_BYTES_PER_TOKEN * batch * context) / COPY_BANDWIDTH
+
+
+def environment() -> dict:
+    import transformers
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version,
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_results(name: str, rows: list[dict], table: str, out_dir: Path = RESULTS) -> None:
+    """benchmarks/results/<name>.json (one object per row, with the environment) and <name>.md (the table)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    (out_dir / f"{name}.json").write_text(json.dumps([{**row, **env} for row in rows], indent=1))
+    (out_dir / f"{name}.md").write_text(table)
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,119 @@
+"""Workload T: 128-token random prompts, 256 new tokens, greedy, batch 4/32/128, Qwen3-4B shape (+ LoRA r32).
+
+cb_sync and its peers run in one process on the same card; the table gives ratios from this run only.
+    python -m benchmarks.throughput [--batches 4 32 128] [--peers cb generate] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import build_model, floor_seconds_per_step, markdown_table, write_results
+
+
+def _timed(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
+
+
+def run_cb_sync(model, prompts, new_tokens, compile_model):
+    from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=max(len(prompts), 1), max_batch_tokens=2048,
+                                          compile=compile_model))
+    params = SamplingParams(max_new_tokens=new_tokens)
+    warmup, _ = _timed(lambda: driver.generate(prompts, params))
+    seconds, peak = _timed(lambda: driver.generate(prompts, params))
+    capture = driver.graphs.capture_seconds if driver.graphs else 0.0
+    driver.release()
+    return seconds, peak, {"warmup_s": round(warmup, 2), "capture_s": round(capture, 2)}
+
+
+def run_hf_generate(model, prompts, new_tokens, compile_model):
+    ids = torch.tensor(prompts, device="cuda")
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        seconds, peak = _timed(lambda: model.generate(ids, **kwargs))
+    return seconds, peak, {}
+
+
+def run_transformers_cb(model, prompts, new_tokens, compile_model):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb_config = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.5)
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target.set_attn_implementation("paged|sdpa")
+    try:
+        with torch.no_grad():
+            seconds, peak = _timed(lambda: model.generate_batch(prompts, generation_config=config,
+                                                                continuous_batching_config=cb_config))
+    finally:
+        target.set_attn_implementation("sdpa")
+    return seconds, peak, {}
+
+
+ENGINES = {"cb_sync": run_cb_sync, "hf_generate": run_hf_generate, "transformers_cb": run_transformers_cb}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="torch.compile cb_sync's decode step")
+    parser.add_argument("--no-lora-row", action="store_true", help="skip cb_sync without LoRA")
+    parser.add_argument("--name", default="throughput")
+    args = parser.parse_args(argv)
+
+    model = build_model(lora=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in args.batches:
+        prompts = torch.randint(0, 151936, (batch, args.prompt_len), generator=gen).tolist()
+        jobs = [(engine, True) for engine in args.engines]
+        if "cb_sync" in args.engines and not args.no_lora_row:
+            jobs.append(("cb_sync", False))
+        for engine, lora in jobs:
+            try:
+                if lora:
+                    seconds, peak, extra = ENGINES[engine](model, prompts, args.new_tokens, args.compile)
+                else:
+                    with model.disable_adapter():
+                        seconds, peak, extra = ENGINES[engine](model, prompts, args.new_tokens, args.compile)
+            except Exception as error:                   # a peer that fails is reported, not fatal
+                print(f"{engine} batch {batch} failed: {error!r}", flush=True)
+                continue
+            tok_s = batch * args.new_tokens / seconds
+            floor = args.new_tokens * floor_seconds_per_step(batch, args.prompt_len + args.new_tokens // 2, lora)
+            rows.append({"engine": engine, "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
+                         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                         "tok_per_s": round(tok_s, 1), "seconds": round(seconds, 2), "peak_gib": round(peak, 2),
+                         "pct_of_floor": round(100 * floor / seconds, 1), "compile": args.compile, **extra})
+            print(rows[-1], flush=True)
+    write_results(args.name, rows, _table(rows))
+    print(_table(rows))
+
+
+def _table(rows):
+    out = []
+    for row in rows:
+        ratios = []
+        for peer in rows:
+            if peer["batch"] == row["batch"] and peer["engine"] != "cb_sync" and row["engine"] == "cb_sync":
+                ratios.append(f"{row['tok_per_s'] / peer['tok_per_s']:.1f}x {peer['engine']}")
+        out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"], row["peak_gib"],
+                    f"{row['pct_of_floor']}%", ", ".join(ratios) or "-"])
+    return markdown_table(["engine", "LoRA", "batch", "tok/s", "peak GiB", "of floor", "cb_sync vs peer"], out)
+
+
+if __name__ == "__main__":
+    main()

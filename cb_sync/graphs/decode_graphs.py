@@ -1,0 +1,163 @@
+"""Captured pure-decode steps: static buffers at the largest bucket, one graph per (bucket, sampling mode),
+all in one memory pool, re-captured whenever what they recorded (weights, adapters, cache, widths) changes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import AttnMetadata
+from ..sampling import SamplingBatch, sample, sampling_columns
+from .buckets import bucket_for, decode_buckets
+
+GREEDY, SAMPLE, FILTERED = 0, 1, 2
+
+
+def sampling_mode(batch_params) -> int:
+    """The cheapest sampler that serves every row: greedy, plain sampling, or sampling with filters."""
+    mode = GREEDY
+    for p in batch_params:
+        if p.do_sample:
+            mode = max(mode, FILTERED if (p.top_k or p.top_p < 1 or p.min_p > 0) else SAMPLE)
+    return mode
+
+
+def model_fingerprint(model: torch.nn.Module) -> tuple:
+    """Everything a captured graph bakes in about the model: parameter storages and dtypes, adapter state."""
+    params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+    adapters = tuple((name, repr(getattr(m, "active_adapters", None)), repr(getattr(m, "merged_adapters", None)),
+                      getattr(m, "disable_adapters", None))
+                     for name, m in model.named_modules() if hasattr(m, "merged_adapters"))
+    return params, adapters
+
+
+class DecodeGraphs:
+    """Replays a captured decode step for plans where every request feeds one token and samples the next."""
+
+    def __init__(self, model: torch.nn.Module, cache, backend, max_batch_size: int, compile_model: bool):
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.buckets = decode_buckets(max_batch_size)
+        self.max_batch = self.buckets[-1]
+        self.forward = torch.compile(self._logits) if compile_model else self._logits
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.width = 0
+        self.fingerprint = None
+        self.capture_seconds = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def begin_call(self, max_blocks_per_request: int) -> None:
+        """Drop stale graphs before a call: new weights storage, adapters, cache pools or a wider block table."""
+        fingerprint = (model_fingerprint(self.model), tuple(t.data_ptr() for t in self.cache.k_caches),
+                       tuple(t.data_ptr() for t in self.cache.v_caches))
+        if max_blocks_per_request > self.width:
+            self.width = 1 << (max_blocks_per_request - 1).bit_length()
+            self._allocate_buffers()
+            self.release()
+        elif fingerprint != self.fingerprint:
+            self.release()
+        self.fingerprint = fingerprint
+
+    def release(self) -> None:
+        """Free every captured graph and its memory pool."""
+        self.graphs.clear()
+        self.pool = None
+
+    def _allocate_buffers(self) -> None:
+        n, device = self.max_batch, self.cache.device
+        self.input_ids = torch.zeros(1, n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(1, n, dtype=torch.int64, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.sampling = SamplingBatch(
+            do_sample=torch.zeros(n, dtype=torch.bool, device=device),
+            temperature=torch.ones(n, device=device), top_k=torch.zeros(n, dtype=torch.int64, device=device),
+            top_p=torch.ones(n, device=device), min_p=torch.zeros(n, device=device),
+            seeds=torch.zeros(n, dtype=torch.int64, device=device),
+            positions=torch.zeros(n, dtype=torch.int64, device=device), any_sample=False, any_filter=False)
+        self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_logprobs = torch.zeros(n, device=device)
+
+    # -- the step -------------------------------------------------------------------------------------------
+
+    def _logits(self, input_ids, positions, meta):
+        return self.model(input_ids=input_ids, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
+
+    def step(self, bucket: int, mode: int) -> None:
+        """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
+        meta = AttnMetadata(self.slots[:bucket], self.tables[:bucket], self.seq_lens[:bucket],
+                            self.query_start[:bucket + 1], 1, self.width * self.cache.block_size,
+                            self.cache.k_caches, self.cache.v_caches, self.backend)
+        logits = self.forward(self.input_ids[:, :bucket], self.positions[:, :bucket], meta)
+        s = self.sampling
+        rows = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
+                             s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
+                             any_sample=mode != GREEDY, any_filter=mode == FILTERED)
+        tokens, logprobs = sample(logits, rows)
+        self.out_tokens[:bucket].copy_(tokens)
+        self.out_logprobs[:bucket].copy_(logprobs)
+
+    def _capture_all(self, mode: int) -> None:
+        """Capture every bucket for this sampling mode, largest first, into the shared pool."""
+        import time
+        start = time.perf_counter()
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        if self.cache.device.type != "cuda":       # no capture off CUDA: replay runs the step itself
+            self.graphs.update({(b, mode): _EagerStep(self.step, b, mode) for b in self.buckets})
+            return
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.buckets):
+            if self.forward is not self._logits:
+                for t in (self.input_ids, self.positions):
+                    torch._dynamo.mark_dynamic(t[:, :bucket], 1)
+            self.step(bucket, mode)                 # warm-up: compile, autotune, lazy init
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.step(bucket, mode)
+            self.graphs[(bucket, mode)] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - start
+
+    def run(self, requests) -> tuple[list[int], list[float]]:
+        """Fill the static buffers for these decoding requests, replay the bucket's graph, read the tokens."""
+        n = len(requests)
+        bucket = bucket_for(n, self.buckets)
+        mode = sampling_mode(r.params for r in requests)
+        if (bucket, mode) not in self.graphs:
+            self._capture_all(mode)
+        block_size = self.cache.block_size
+        ids, positions, slots, tables = [], [], [], []
+        for r in requests:
+            p = r.num_computed
+            ids.append(r.token_slice(p, p + 1)[0])
+            positions.append(p)
+            slots.append(r.blocks[p // block_size] * block_size + p % block_size)
+            tables.append(r.blocks + [0] * (self.width - len(r.blocks)))
+        pad = bucket - n
+        self.input_ids[0, :bucket].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        self.positions[0, :bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.slots[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
+        self.seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32),
+                                     non_blocking=True)
+        self.tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        for name, (values, dtype) in sampling_columns(requests).items():
+            getattr(self.sampling, name)[:n].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
+        self.graphs[(bucket, mode)].replay()
+        host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double()]).tolist()
+        return [int(t) for t in host[0]], host[1]
+
+
+class _EagerStep:
+    """Stands in for a CUDA graph off CUDA, so the static-buffer path runs (and is tested) on the CPU."""
+
+    def __init__(self, step, bucket: int, mode: int):
+        self.step, self.bucket, self.mode = step, bucket, mode
+
+    def replay(self) -> None:
+        self.step(self.bucket, self.mode)

@@ -1,0 +1,81 @@
+"""The static-buffer decode path (what CUDA graphs replay), run on the CPU against HF and the eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+from cb_sync.graphs.decode_graphs import FILTERED, GREEDY, SAMPLE, DecodeGraphs, model_fingerprint, sampling_mode
+
+from conftest import hf_greedy, make_model, random_prompts
+
+
+def _driver_with_static_path(model, **config):
+    driver = SyncCBDriver(model, CBConfig(**config))
+    driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, driver.config.max_batch_size, False)
+    driver.runner.graphs = driver.graphs
+    return driver
+
+
+def test_static_decode_path_matches_hf_greedy():
+    model = make_model("qwen3", lora=True)
+    prompts = random_prompts([3, 20, 41, 9, 17])
+    driver = _driver_with_static_path(model, max_batch_size=8, block_size=8)
+    replays = []
+    original = driver.graphs.run
+    driver.graphs.run = lambda requests: replays.append(len(requests)) or original(requests)
+    results = driver.generate(prompts, [SamplingParams(max_new_tokens=n) for n in (12, 7, 10, 3, 9)])
+    assert replays and max(replays) == 5
+    for prompt, n, result in zip(prompts, (12, 7, 10, 3, 9), results):
+        assert result.token_ids == hf_greedy(model, prompt, n)
+
+
+def test_static_path_sampling_equals_eager_path():
+    model = make_model("llama")
+    prompts = random_prompts([5, 12, 30])
+    params = [SamplingParams(max_new_tokens=10, do_sample=True, temperature=1.3, top_k=20, top_p=0.9, seed=s,
+                             logprobs=True) for s in (1, 2, 3)]
+    static = _driver_with_static_path(model).generate(prompts, params)
+    eager = SyncCBDriver(model).generate(prompts, params)
+    assert [r.token_ids for r in static] == [r.token_ids for r in eager]
+    torch.testing.assert_close(torch.tensor([r.logprobs for r in static]), torch.tensor([r.logprobs for r in eager]))
+
+
+def test_sampling_mode():
+    assert sampling_mode([SamplingParams()]) == GREEDY
+    assert sampling_mode([SamplingParams(), SamplingParams(do_sample=True)]) == SAMPLE
+    assert sampling_mode([SamplingParams(do_sample=True), SamplingParams(do_sample=True, min_p=0.1)]) == FILTERED
+
+
+def test_graphs_invalidated_by_storage_swap_and_width_not_by_in_place_update():
+    model = make_model("qwen3", lora=True)
+    driver = _driver_with_static_path(model)
+    params = SamplingParams(max_new_tokens=4)
+    driver.generate(random_prompts([6, 6]), params)
+    captured = dict(driver.graphs.graphs)
+    assert captured
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.0)                                  # in place: same storage, graphs kept
+    driver.generate(random_prompts([6, 6]), params)
+    assert driver.graphs.graphs == captured
+    layer = model.get_base_model().model.layers[0].mlp.down_proj
+    before = model_fingerprint(model)
+    layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone())   # new storage
+    assert model_fingerprint(model) != before
+    result = driver.generate(random_prompts([6, 6]), params)
+    assert driver.graphs.graphs and all(driver.graphs.graphs[k] is not captured[k]
+                                                         for k in driver.graphs.graphs if k in captured)
+    assert result[0].token_ids == hf_greedy(model, random_prompts([6, 6])[0], 4)
+    width = driver.graphs.width
+    driver.generate(random_prompts([6]), SamplingParams(max_new_tokens=width * 16))
+    assert driver.graphs.width > width
+
+
+def test_adapter_switch_changes_fingerprint():
+    model = make_model("llama", lora=True)
+    before = model_fingerprint(model)
+    with model.disable_adapter():
+        assert model_fingerprint(model) != before
+    assert model_fingerprint(model) == before
