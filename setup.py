@@ -8,11 +8,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["cb_sync", "cb_sync.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "transformers>=5.0,<6", "tqdm"],
+    install_requires=["torch>=2.4", "transformers>=5.17,<6", "tqdm"],
     extras_require={
         "gpu": ["triton>=3.2"],
-        "trl": ["trl>=1.16,<2", "peft>=0.17", "datasets"],
-        "test": ["pytest", "hypothesis", "peft>=0.17", "triton>=3.2", "trl>=1.16,<2", "datasets"],
+        "trl": ["trl>=1.16,<1.17", "peft>=0.17", "accelerate"],
+        "test": ["pytest", "hypothesis", "peft>=0.17", "triton>=3.2", "trl>=1.16,<1.17", "accelerate", "datasets", "tokenizers"],
     },
     entry_points={"console_scripts": ["cb-sync=cb_sync.cli:main"]},
 )

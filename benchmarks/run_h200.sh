@@ -7,7 +7,7 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 stage=${1:-all}; shift || true
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
-  timeout 400 python -m pytest tests -m gpu -q -x -s -p no:randomly 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 if [ "$stage" = throughput ] || [ "$stage" = all ]; then
   timeout 500 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/throughput.log"

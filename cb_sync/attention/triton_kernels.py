@@ -1,0 +1,267 @@
+"""Triton paged attention: KV-cache store, split-K decode and varlen prefill over a paged KV cache.
+
+Same contract as `sdpa_paged`. The query heads that share a KV head are packed into the rows of one
+program (row = query * BLOCK_G + head in group), so each K/V tile is loaded once per KV head. The decode
+launch grids depend only on tensor shapes, never on values, so a decode step can be captured in a CUDA
+graph and replayed with new seq_lens / block_tables. No function here synchronises with the host.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION_SIZE = 256   # smallest split-K partition of the decode path, in tokens (a multiple of BLOCK_N)
+MAX_PARTITIONS = 32    # partitions grow past PARTITION_SIZE so that a context never has more than this many
+DECODE_BLOCK_N = 64    # keys per tile in the decode path
+PREFILL_BLOCK_M = 64   # rows (queries x heads in group) per prefill program
+PREFILL_BLOCK_N = 64   # keys per tile in the prefill path
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                     stride_cb, stride_cs, stride_ch, stride_cd,
+                     block_size, head_dim, BLOCK_D: tl.constexpr):
+    """One program per (token, kv head): copy its key and value rows into the cache slot."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok)
+    if slot < 0:
+        return
+    d = tl.arange(0, BLOCK_D)
+    mask = d < head_dim
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + d * stride_cd
+    k = tl.load(key_ptr + tok * stride_kt + head * stride_kh + d * stride_kd, mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + head * stride_vh + d * stride_vd, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, kv_end, q_pos, row_valid,
+                 scale, softcap, window, block_size, head_dim,
+                 stride_cb, stride_cs, stride_ch, stride_cd,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with keys [start, start + BLOCK_N) of one request.
+
+    Keys at or past kv_end are never read (nor their block-table entries). m_i is in log2 units.
+    """
+    k_pos = start + tl.arange(0, BLOCK_N)
+    kv_valid = k_pos < kv_end
+    block = tl.load(table_ptr + k_pos // block_size, mask=kv_valid, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    offs = (block * stride_cb + (k_pos % block_size) * stride_cs + kv_head * stride_ch)[:, None] + d[None, :] * stride_cd
+    kv_mask = kv_valid[:, None] & (d[None, :] < head_dim)
+    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)   # softcap * tanh(s / softcap)
+    allowed = row_valid[:, None] & kv_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))   # log2(e): softmax via exp2
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                           m_ptr, l_ptr, acc_ptr,
+                           stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+                           num_heads, num_partitions, scale, softcap, window, group, block_size, head_dim,
+                           PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                           HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (partition, request, kv head): attention of the request's one query, all heads of the group,
+    over keys [partition * PARTITION, +PARTITION); writes unnormalised partials (m in log2 units, l, acc).
+
+    Partitions at or past seq_len write nothing: the reduce kernel reads only the ones below it.
+    """
+    part = tl.program_id(0)
+    req = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_tok = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_tok
+    part_start = part * PARTITION
+    if (q_len == 0) | (part_start >= seq_len):
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    g = rows % BLOCK_G
+    row_valid = (rows < BLOCK_G) & (g < group)
+    heads = kv_head * group + g
+    d = tl.arange(0, BLOCK_D)
+    q_mask = row_valid[:, None] & (d[None, :] < head_dim)
+    q = tl.load(q_ptr + q_tok * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
+
+    lo = part_start
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N)
+    hi = tl.minimum(part_start + PARTITION, seq_len)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_ptr = block_tables_ptr + req * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, seq_len,
+                                     q_pos, row_valid, scale, softcap, window, block_size, head_dim,
+                                     stride_cb, stride_cs, stride_ch, stride_cd,
+                                     BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
+
+    part_idx = (req * num_heads + heads) * num_partitions + part
+    tl.store(m_ptr + part_idx, m_i, mask=row_valid)
+    tl.store(l_ptr + part_idx, l_i, mask=row_valid)
+    tl.store(acc_ptr + part_idx[:, None] * head_dim + d[None, :], acc, mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, seq_lens_ptr, query_start_loc_ptr,
+                          stride_ot, stride_oh, stride_od, num_heads, num_partitions, head_dim,
+                          PARTITION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (request, query head): combine the partials of the partitions below seq_len."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_tok = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_tok
+    if q_len == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    p = tl.arange(0, BLOCK_P)
+    p_valid = p < tl.cdiv(seq_len, PARTITION)
+    part_idx = (req * num_heads + head) * num_partitions + p
+    m = tl.load(m_ptr + part_idx, mask=p_valid, other=-1.0e30)
+    l = tl.load(l_ptr + part_idx, mask=p_valid, other=0.0)
+    w = tl.where(p_valid, tl.exp2(m - tl.max(m, 0)), 0.0)
+    total = tl.sum(w * l, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    acc = tl.load(acc_ptr + part_idx[:, None] * head_dim + d[None, :], mask=p_valid[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)   # seq_len 0 -> zeros
+    tl.store(out_ptr + q_tok * stride_ot + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+                    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+                    scale, softcap, window, group, block_size, head_dim,
+                    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (query block, request, kv head): BLOCK_M // BLOCK_G queries x the heads of the group, over the
+    request's cached context up to the block's last query (earlier prefill chunks included)."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
+    q_block = tl.program_id(0)
+    req = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q0 = q_block * BLOCK_Q
+    if q0 >= q_len:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = q0 + rows // BLOCK_G
+    g = rows % BLOCK_G
+    row_valid = (qi < q_len) & (g < group)
+    heads = kv_head * group + g
+    tok = q_start + qi
+    d = tl.arange(0, BLOCK_D)
+    q_mask = row_valid[:, None] & (d[None, :] < head_dim)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    ctx_start = seq_len - q_len   # position of the request's first query
+    q_pos = ctx_start + qi
+
+    lo = 0
+    if HAS_WINDOW:
+        lo = (tl.maximum(ctx_start + q0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seq_len, ctx_start + q0 + BLOCK_Q)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_ptr = block_tables_ptr + req * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, hi,
+                                     q_pos, row_valid, scale, softcap, window, block_size, head_dim,
+                                     stride_cb, stride_cs, stride_ch, stride_cd,
+                                     BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # seq_len 0 -> zeros
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T]; slots < 0 are skipped."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share a layout"
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        key, value, k_cache, v_cache, slot_mapping, *key.stride(), *value.stride(), *k_cache.stride(),
+        k_cache.shape[1], head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    max_query_len: int, max_seq_len: int, scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
+
+    max_query_len == 1 takes the split-K decode path, whose grid depends only on shapes (max_seq_len is not
+    used), so it can be captured in a CUDA graph. Otherwise the varlen prefill path runs.
+    Rows of padded requests (seq_len 0) come back as zeros.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
+    out = query.new_empty(query.shape)
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    common = dict(scale=scale, softcap=float(softcap or 0.0), window=int(sliding_window or 0),
+                  group=group, block_size=k_cache.shape[1], head_dim=head_dim,
+                  BLOCK_G=triton.next_power_of_2(group), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                  HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window),
+                  PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    args = (query, k_cache, v_cache)
+    if max_query_len <= 1:
+        _decode(out, *args, block_tables, seq_lens, query_start_loc, common)
+    else:
+        block_m = max(PREFILL_BLOCK_M, common["BLOCK_G"])
+        grid = (triton.cdiv(max_query_len, block_m // common["BLOCK_G"]), seq_lens.shape[0], num_kv_heads)
+        _prefill_kernel[grid](*args, out, block_tables, seq_lens, query_start_loc, *query.stride(), *out.stride(),
+                              *k_cache.stride(), block_tables.stride(0), BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
+                              num_warps=4, **common)
+    return out
+
+
+def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, common):
+    """Split-K decode: partial attention per (partition, request, kv head), then a reduce per (request, head)."""
+    num_reqs = seq_lens.shape[0]
+    num_heads, head_dim = query.shape[1:]
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    partition = max(PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, MAX_PARTITIONS)))
+    num_partitions = triton.cdiv(max_context, partition)
+    m = query.new_empty((num_reqs, num_heads, num_partitions), dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = query.new_empty((num_reqs, num_heads, num_partitions, head_dim), dtype=torch.float32)
+    _decode_partial_kernel[(num_partitions, num_reqs, k_cache.shape[2])](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, m, l, acc,
+        *query.stride(), *k_cache.stride(), block_tables.stride(0), num_heads, num_partitions,
+        PARTITION=partition, BLOCK_M=max(16, common["BLOCK_G"]), BLOCK_N=min(DECODE_BLOCK_N, partition),
+        num_warps=4, **common)
+    _decode_reduce_kernel[(num_reqs, num_heads)](
+        out, m, l, acc, seq_lens, query_start_loc, *out.stride(), num_heads, num_partitions, head_dim,
+        PARTITION=partition, BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=common["BLOCK_D"], num_warps=4)

@@ -1,0 +1,314 @@
+"""transformers drop-in: `enable(model)` makes `model.generate_batch` run on a persistent cb_sync driver.
+
+The installed method has transformers 5.17's signature and return type (a dict `req_0, req_1, ...` in input order of
+`GenerationOutput`), so code written for transformers' continuous batching, such as TRL's
+`use_transformers_continuous_batching=True` path, runs on cb_sync unchanged.
+
+How a `GenerationConfig` is read: like `model.generate()`, fields left `None` are taken from `model.generation_config`,
+then from transformers' global defaults (so sampling with `top_k` unset uses top-k 50, and with neither
+`max_new_tokens` nor `max_length` set, 20 tokens minus the prompt). Honoured: `max_new_tokens` (else `max_length`),
+`do_sample`, `temperature`, `top_k`, `top_p`, `min_p`, `eos_token_id` (None or [] after the merge: no EOS),
+`pad_token_id` (nothing is padded). Any other field that would change the tokens (beams, repetition penalty, several
+return sequences, n-gram blocking, suppressed tokens, ...) raises ValueError naming it; fields that cannot change them
+(output flags, cache and compile settings, assistant settings, beam-only settings while num_beams == 1) are ignored.
+
+From `ContinuousBatchingConfig` only `return_logprobs` and `seed` (one seed per call, from which each request gets its
+own) are used; its sizing knobs (block size, memory fraction, graphs, ...) belong to transformers' engine: size
+cb_sync with the `CBConfig` given to `enable`. `persistent_manager=False` (the default, as in transformers) releases
+the KV cache after the call; True keeps it for the next call. Unlike transformers, errors are raised, not logged.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import CBConfig, SamplingParams
+from ..driver import SyncCBDriver
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["enable", "disable", "is_enabled", "get_driver", "sampling_params_from_generation_config"]
+
+_STATE = "_cb_sync_state"
+_METHOD = "generate_batch"
+
+# GenerationConfig fields mapped onto SamplingParams.
+_MAPPED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "eos_token_id",
+           "pad_token_id"}
+# Fields that cannot change the generated tokens of a single-sequence decoder-only generation.
+_HARMLESS = {
+    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
+    "compile_config", "disable_compile", "continuous_batching_config", "prefill_chunk_size", "low_memory",
+    "return_dict_in_generate", "output_attentions", "output_hidden_states", "output_scores", "output_logits",
+    "remove_invalid_values", "renormalize_logits", "transformers_version", "_from_model_config", "_commit_hash",
+    "_original_object_hash", "is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size",
+    # beam-search-only settings: inert while num_beams == 1 (num_beams > 1 is refused)
+    "early_stopping", "length_penalty", "num_beam_groups", "diversity_penalty",
+}
+# Values of the remaining fields that leave the tokens unchanged (None is always neutral).
+_NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
+            "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "guidance_scale": 1.0,
+            "penalty_alpha": 0.0, "top_h": None}
+# transformers' global defaults for the mapped fields (GenerationConfig._get_default_generation_params, 5.17).
+_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# ContinuousBatchingConfig fields used here; the others only size or tune transformers' own engine.
+_CB_USED = {"return_logprobs", "seed"}
+
+try:  # transformers' own output type, so consumers of generate_batch work unchanged
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+except ImportError:  # pragma: no cover - other transformers versions
+    import enum
+
+    class RequestStatus(enum.IntEnum):
+        PENDING = 0
+        PREFILLING = 1
+        DECODING = 2
+        FINISHED = 3
+        FAILED = 4
+
+    @dataclass
+    class GenerationOutput:
+        request_id: str
+        prompt_ids: list[int] = field(default_factory=list)
+        generated_tokens: list[int] = field(default_factory=list)
+        logprobs: list[float] = field(default_factory=list)
+        error: str | None = None
+        status: RequestStatus = RequestStatus.PENDING
+        created_time: float = field(default_factory=time.perf_counter)
+        lifespan: tuple[float, float] = (-1, -1)
+        timestamps: list[float] | None = None
+
+        def is_finished(self) -> bool:
+            return self.status >= RequestStatus.FINISHED
+
+
+class _State:
+    """What enable() leaves on a model: the engine config, the lazily built driver, and what it replaced."""
+
+    def __init__(self, model, config: CBConfig, targets: list):
+        self.model = model              # the module the driver runs (None: the module the method is bound to)
+        self.config = config
+        self.driver: SyncCBDriver | None = None
+        self.placement = None           # (device, dtype) of the weights when the driver was built
+        self.targets = targets          # modules carrying the installed method
+        self.previous = {id(t): t.__dict__.get(_METHOD) for t in targets}  # instance attributes it shadows
+
+    def driver_for(self, bound) -> SyncCBDriver:
+        model = self.model if self.model is not None else bound
+        if self.driver is None or self.placement != weight_placement(model):
+            if self.driver is not None:  # the model was moved or cast since: its cache no longer fits
+                self.driver.release()
+            self.driver = SyncCBDriver(model, self.config)
+            self.placement = weight_placement(model)
+        return self.driver
+
+    def __deepcopy__(self, memo):
+        # A copied model generates with its own modules: keep the config, drop driver and model references.
+        fresh = _State.__new__(_State)
+        fresh.model, fresh.config, fresh.driver, fresh.targets, fresh.previous = None, self.config, None, [], {}
+        fresh.placement = None
+        return fresh
+
+    def __getstate__(self):
+        return self.__deepcopy__({}).__dict__
+
+
+def enable(model: torch.nn.Module, config: CBConfig | None = None) -> torch.nn.Module:
+    """Install `model.generate_batch` (transformers 5.17 signature) backed by one cb_sync driver kept on the model.
+
+    On a PEFT model the method is installed both on the PeftModel and on its base model (what TRL reaches through
+    `unwrap_model`), sharing one driver that runs the PeftModel. A plain model that is later wrapped by PEFT keeps
+    working: the wrapper forwards `generate_batch` to the base model, whose modules carry the LoRA layers.
+    Calling enable() again replaces the config (and the driver). Returns the model.
+    """
+    config = config if config is not None else CBConfig()
+    if not isinstance(config, CBConfig):
+        raise ValueError(f"config must be a CBConfig, got {type(config).__name__}")
+    if is_enabled(model):
+        disable(model)
+    targets = [model]
+    if hasattr(model, "get_base_model") and model.get_base_model() is not model:
+        targets.append(model.get_base_model())
+    state = _State(model, config, targets)
+    for target in targets:
+        object.__setattr__(target, _STATE, state)
+        object.__setattr__(target, _METHOD, types.MethodType(_generate_batch, target))
+    return model
+
+
+def disable(model: torch.nn.Module) -> torch.nn.Module:
+    """Remove what enable() installed, free the driver's KV cache, and restore what was there before."""
+    state = model.__dict__.get(_STATE)
+    if state is None:
+        return model
+    if state.driver is not None:
+        state.driver.release()
+    for target in state.targets or [model]:
+        target.__dict__.pop(_STATE, None)
+        target.__dict__.pop(_METHOD, None)
+        previous = state.previous.get(id(target))
+        if previous is not None:
+            object.__setattr__(target, _METHOD, previous)
+    return model
+
+
+def is_enabled(model: torch.nn.Module) -> bool:
+    return _STATE in model.__dict__
+
+
+def get_driver(model: torch.nn.Module) -> SyncCBDriver:
+    """The driver behind an enabled model's generate_batch (built now if no call has built it yet)."""
+    state = model.__dict__.get(_STATE)
+    if state is None:
+        raise ValueError("cb_sync is not enabled on this model: call cb_sync.integrations.transformers.enable(model)")
+    return state.driver_for(model)
+
+
+def weight_placement(model: torch.nn.Module) -> tuple:
+    """(device, dtype) of the input embeddings: a driver built for other values must be rebuilt."""
+    weight = model.get_input_embeddings().weight
+    return weight.device, weight.dtype
+
+
+def _generate_batch(self, inputs: list[list[int]], generation_config=None, continuous_batching_config=None,
+                    record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
+                    warmup: bool = True, **kwargs) -> dict:
+    """Generate for a batch of prompts with cb_sync (drop-in for transformers' `generate_batch`).
+
+    Extra keyword arguments: GenerationConfig field names (override `generation_config`), `return_logprobs`
+    (bool) and `seed` (int: one seed for the call, each request derives its own). Anything else raises ValueError.
+    `warmup` is accepted and ignored (graphs are captured on first use). Returns {"req_i": GenerationOutput}.
+    """
+    if not inputs:
+        return {}
+    if record_timestamps:
+        raise ValueError("cb_sync's generate_batch does not record per-token timestamps (record_timestamps=True)")
+    return_logprobs = bool(kwargs.pop("return_logprobs", False))
+    seed = kwargs.pop("seed", None)
+    if continuous_batching_config is not None:
+        return_logprobs = return_logprobs or bool(getattr(continuous_batching_config, "return_logprobs", False))
+        seed = getattr(continuous_batching_config, "seed", None) if seed is None else seed
+        _note_ignored_cb_fields(continuous_batching_config)
+    prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in inputs]
+    state = self.__dict__[_STATE]
+    model = state.model if state.model is not None else self
+    params = sampling_params_from_generation_config(model, generation_config, prompts, logprobs=return_logprobs,
+                                                    seed=seed, **kwargs)
+    driver = state.driver_for(self)
+    start = time.perf_counter()
+    try:
+        results = driver.generate(prompts, params, progress_bar=progress_bar)
+    finally:
+        if not persistent_manager:
+            driver.release()
+    end = time.perf_counter()
+    outputs = {}
+    for result in results:
+        out = GenerationOutput(request_id=f"req_{result.request_id}", prompt_ids=list(result.prompt_ids),
+                               generated_tokens=list(result.token_ids),
+                               logprobs=list(result.logprobs) if result.logprobs is not None else [],
+                               error=None, status=RequestStatus.FINISHED, created_time=start, lifespan=(start, end))
+        out.finish_reason = result.finish_reason  # cb_sync extra: "eos" | "length" | "stop"
+        outputs[out.request_id] = out
+    return outputs
+
+
+def sampling_params_from_generation_config(model, generation_config=None, prompts: list[list[int]] | None = None,
+                                           logprobs: bool = False, seed: int | None = None,
+                                           **overrides) -> list[SamplingParams]:
+    """One SamplingParams per prompt from a GenerationConfig resolved as `model.generate()` resolves it.
+
+    `overrides` are GenerationConfig fields set on top of `generation_config`. `seed` (one per call) derives a
+    distinct seed per request; None leaves each request its own fresh seed. Raises ValueError for any field that
+    would change the result and that cb_sync cannot honour.
+    """
+    from transformers import GenerationConfig
+
+    prompts = prompts if prompts is not None else [[]]
+    cfg = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    if not isinstance(cfg, GenerationConfig):
+        raise ValueError(f"generation_config must be a transformers GenerationConfig, got {type(cfg).__name__}")
+    fields = set(GenerationConfig().to_dict())
+    unknown = sorted(k for k in overrides if k not in fields)
+    if unknown:
+        raise ValueError(f"generate_batch got unexpected keyword arguments {unknown}")
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
+    values = cfg.to_dict()
+    model_cfg = getattr(model, "generation_config", None)
+    if model_cfg is not None:  # like generate(): unset fields come from the model's generation config
+        for name, value in model_cfg.to_dict().items():
+            if name in fields and values.get(name) is None:  # custom entries of a checkpoint's config are inert
+                values[name] = value
+    for name, value in _DEFAULTS.items():
+        if values.get(name) is None:
+            values[name] = value
+
+    bad = sorted(f"{k}={v!r}" for k, v in values.items()
+                 if k not in _MAPPED and k not in _HARMLESS and not _is_neutral(k, v))
+    if bad:
+        raise ValueError(f"cb_sync cannot honour these generation options: {', '.join(bad)}. Remove them (or set "
+                         "them to their neutral values) from the GenerationConfig and model.generation_config.")
+
+    eos = values.get("eos_token_id")  # None or []: no EOS (as generate(); model.generation_config was merged)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else [int(t) for t in eos]
+    sampling = {}
+    if values["do_sample"]:
+        top_k, top_p, min_p = values["top_k"], values["top_p"], values.get("min_p")
+        sampling = dict(do_sample=True, temperature=float(values["temperature"]), top_k=int(top_k or 0),
+                        top_p=float(1.0 if top_p is None else top_p), min_p=float(min_p or 0.0))
+    seeds = [None] * len(prompts)
+    if seed is not None:
+        gen = torch.Generator().manual_seed(int(seed))
+        seeds = torch.randint(0, 2**62, (len(prompts),), generator=gen).tolist()
+    params = []
+    for index, (prompt, request_seed) in enumerate(zip(prompts, seeds)):
+        max_new = values.get("max_new_tokens")
+        if max_new is None:
+            max_new = values["max_length"] - len(prompt)
+            if max_new <= 0:
+                raise ValueError(f"prompt {index} has {len(prompt)} tokens, not below max_length="
+                                 f"{values['max_length']}: set max_new_tokens")
+        params.append(SamplingParams(max_new_tokens=int(max_new), eos_token_id=eos, seed=request_seed,
+                                     logprobs=logprobs, **sampling))
+    return params
+
+
+def _is_neutral(name: str, value) -> bool:
+    if value is None or (isinstance(value, (list, tuple, dict)) and len(value) == 0):
+        return True
+    if name in _NEUTRAL:
+        return value == _NEUTRAL[name]
+    return False
+
+
+_noted: set[str] = set()
+
+
+@functools.lru_cache(maxsize=4)
+def _default_of(cls):
+    return cls()
+
+
+def _note_ignored_cb_fields(cb_config) -> None:
+    from dataclasses import fields, is_dataclass
+
+    if not is_dataclass(cb_config):
+        return
+    default = _default_of(type(cb_config))
+    ignored = sorted(f.name for f in fields(cb_config) if f.name not in _CB_USED
+                     and getattr(cb_config, f.name) != getattr(default, f.name))
+    key = ",".join(ignored)
+    if ignored and key not in _noted:
+        _noted.add(key)
+        logger.info("cb_sync ignores these ContinuousBatchingConfig settings (size cb_sync with the CBConfig given "
+                    "to enable()): %s", ", ".join(ignored))

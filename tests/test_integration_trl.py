@@ -1,0 +1,232 @@
+"""cb_sync.integrations.trl: CBSyncGRPOTrainer, and TRL's own continuous-batching path on cb_sync (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+from trl import GRPOConfig, GRPOTrainer
+
+from cb_sync import CBConfig, SyncCBDriver
+from cb_sync.integrations.transformers import disable, enable
+from cb_sync.integrations.trl import CBSyncGRPOTrainer
+
+VOCAB = 128
+STEPS = 3
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>")
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         initializer_range=0.02,  # flat logits: samples within a group differ
+                         eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def dataset() -> Dataset:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [" ".join(f"t{t}" for t in torch.randint(3, VOCAB, (int(n),), generator=gen).tolist())
+               for n in torch.randint(3, 9, (16,), generator=gen)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def even_fraction(completion_ids, **kwargs) -> list[float]:
+    """Reward: the fraction of even token ids (has variance within a group of random samples)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def grpo_args(tmp_path, **extra) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=STEPS, learning_rate=1e-2, logging_steps=1, report_to=[],
+                      use_cpu=True, bf16=False, save_strategy="no", seed=0, dataloader_num_workers=0, **extra)
+
+
+class Spy:
+    """Records every SyncCBDriver.generate / release call: the model's mode around it and what came back."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.releases = [], 0
+        generate, release = SyncCBDriver.generate, SyncCBDriver.release
+
+        def spy_generate(drv, prompts, params=None, progress_bar=None):
+            before, checkpointing = drv.model.training, drv.model.is_gradient_checkpointing
+            results = generate(drv, prompts, params, progress_bar)
+            self.calls.append(dict(driver=drv, prompts=[list(p) for p in prompts], params=params, before=before,
+                                   after=drv.model.training, results=results,
+                                   checkpointing=(checkpointing, drv.model.is_gradient_checkpointing)))
+            return results
+
+        def spy_release(drv):
+            self.releases += 1
+            return release(drv)
+
+        monkeypatch.setattr(SyncCBDriver, "generate", spy_generate)
+        monkeypatch.setattr(SyncCBDriver, "release", spy_release)
+
+
+def forbid_hf_generate(monkeypatch, *modules):
+    def boom(*args, **kwargs):
+        raise AssertionError("HF generate() was called")
+
+    for module in modules:
+        monkeypatch.setattr(module, "generate", boom)
+
+
+def logged(trainer, key) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def check_groups_and_logprobs(spy, num_generations=4):
+    for call in spy.calls:
+        prompts, results = call["prompts"], call["results"]
+        # TRL passes each prompt repeated num_generations times; results stay aligned with prompts
+        assert [r.prompt_ids for r in results] == prompts
+        for g in range(0, len(prompts), num_generations):
+            assert all(p == prompts[g] for p in prompts[g:g + num_generations])
+            group = [tuple(r.token_ids) for r in results[g:g + num_generations]]
+            assert len(set(group)) > 1, "identical samples in a group"
+        for r in results:
+            assert r.logprobs is not None and len(r.logprobs) == len(r.token_ids) > 0
+            assert all(lp <= 0.0 for lp in r.logprobs) and min(r.logprobs) < -1.0
+
+
+def check_training(trainer, before: dict, model):
+    grad_norms = logged(trainer, "grad_norm")
+    assert len(grad_norms) == STEPS and all(g > 0 for g in grad_norms)
+    assert all(s > 0 for s in logged(trainer, "reward_std"))
+    assert all(f < 1.0 for f in logged(trainer, "frac_reward_zero_std"))
+    after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no trainable parameter changed"
+
+
+def snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    model = tiny_model()
+    forbid_hf_generate(monkeypatch, model)
+    trainer = CBSyncGRPOTrainer(model=model, reward_funcs=even_fraction, args=grpo_args(tmp_path, top_k=20,
+                                                                                         temperature=0.9),
+                                train_dataset=dataset(), processing_class=tokenizer(),
+                                cb_config=CBConfig(block_size=4, max_batch_tokens=64))
+    params = trainer._cb_params
+    assert (params.do_sample, params.temperature, params.top_k, params.max_new_tokens) == (True, 0.9, 20, 8)
+    assert params.logprobs and params.seed is None and 1 in params.eos_token_id
+    before = snapshot(model)
+    trainer.train()  # GRPOConfig's gradient_checkpointing=True: the Trainer turns it on when training starts
+
+    assert len(spy.calls) == STEPS and spy.releases == STEPS  # one rollout per step, KV freed after each
+    assert len({id(c["driver"]) for c in spy.calls}) == 1  # one persistent driver
+    assert spy.calls[0]["driver"].model is model
+    assert all(c["before"] and c["after"] for c in spy.calls)  # train mode before and after every rollout
+    assert all(len(c["prompts"]) == 8 for c in spy.calls)
+    assert all(c["checkpointing"] == (True, True) for c in spy.calls)  # left on through the rollouts
+    assert model.is_gradient_checkpointing
+    check_groups_and_logprobs(spy)
+    check_training(trainer, before, model)
+    # generator and trainer logprobs agree (same fp32 modules; only the attention kernel differs)
+    means, peaks = (logged(trainer, f"sampling/sampling_logp_difference/{k}") for k in ("mean", "max"))
+    assert len(means) == STEPS and all(0.0 <= m <= p < 1e-3 for m, p in zip(means, peaks))
+
+
+def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):
+    from peft import LoraConfig
+
+    spy = Spy(monkeypatch)
+    model = tiny_model()
+    forbid_hf_generate(monkeypatch, model)
+    peft_config = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    trainer = CBSyncGRPOTrainer(model=model, reward_funcs=even_fraction, args=grpo_args(tmp_path),
+                                train_dataset=dataset(), processing_class=tokenizer(), peft_config=peft_config,
+                                importance_sampling_correction=True)
+    peft_model = trainer.model
+    assert hasattr(peft_model, "get_base_model")
+    forbid_hf_generate(monkeypatch, peft_model)
+    before = snapshot(peft_model)
+    assert before and all("lora_" in n for n in before)
+    trainer.train()
+
+    assert len(spy.calls) == STEPS and spy.releases == STEPS
+    assert spy.calls[0]["driver"].model is peft_model and all(c["before"] and c["after"] for c in spy.calls)
+    check_groups_and_logprobs(spy)
+    check_training(trainer, before, peft_model)
+    ratios = logged(trainer, "sampling/importance_sampling_ratio/mean")
+    assert len(ratios) == STEPS and all(abs(r - 1.0) < 1e-3 for r in ratios)
+    assert all(d < 1e-3 for d in logged(trainer, "sampling/sampling_logp_difference/max"))
+    assert trainer.use_vllm is False  # the flag is only flipped for the duration of TRL's calls
+
+
+def test_grpo_with_already_wrapped_peft_model(tmp_path, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    spy = Spy(monkeypatch)
+    peft_model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    forbid_hf_generate(monkeypatch, peft_model, peft_model.get_base_model())
+    before = snapshot(peft_model)
+    trainer = CBSyncGRPOTrainer(model=peft_model, reward_funcs=even_fraction, args=grpo_args(tmp_path),
+                                train_dataset=dataset(), processing_class=tokenizer(), release_after_rollout=False)
+    trainer.train()
+    assert len(spy.calls) == STEPS and spy.releases == 0
+    assert spy.calls[0]["driver"].model is peft_model
+    check_groups_and_logprobs(spy)
+    check_training(trainer, before, peft_model)
+    assert all(d < 1e-3 for d in logged(trainer, "sampling/sampling_logp_difference/max"))
+
+
+def test_trl_continuous_batching_path_runs_on_cb_sync(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    model = enable(tiny_model(), CBConfig(block_size=8))
+    forbid_hf_generate(monkeypatch, model)
+    before = snapshot(model)
+    trainer = GRPOTrainer(model=model, reward_funcs=even_fraction,
+                          args=grpo_args(tmp_path, use_transformers_continuous_batching=True),
+                          train_dataset=dataset(), processing_class=tokenizer())
+    trainer.train()
+    assert len(spy.calls) == STEPS and spy.releases == STEPS  # persistent_manager=False releases after each call
+    assert all(c["before"] for c in spy.calls)
+    for call in spy.calls:
+        p = call["params"][0]
+        assert p.do_sample and p.max_new_tokens == 8 and p.top_k == 0 and 1 in p.eos_token_id
+    check_training(trainer, before, model)
+    disable(model)
+
+
+def test_refuses_conflicting_backends_and_options(tmp_path):
+    with pytest.raises(ValueError, match="use_vllm"):
+        CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                          args=grpo_args(tmp_path, use_transformers_continuous_batching=True),
+                          train_dataset=dataset(), processing_class=tokenizer())
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                          args=grpo_args(tmp_path, repetition_penalty=1.3),
+                          train_dataset=dataset(), processing_class=tokenizer())
+
+
+def test_generate_single_turn_contract(tmp_path, monkeypatch):
+    """TRL 1.16's hook: (prompt_ids, images, multimodal_fields, num_generations, has_tool_images) -> (ids, logprobs)."""
+    spy = Spy(monkeypatch)
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path),
+                                train_dataset=dataset(), processing_class=tokenizer())
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 10], [11, 12, 13, 14]]  # e.g. the tool loop's per-sample histories
+    ids, logprobs = trainer._generate_single_turn(prompts, None, {}, num_generations=1)
+    assert len(ids) == len(logprobs) == len(prompts) and spy.calls[-1]["prompts"] == prompts
+    assert ids == [r.token_ids for r in spy.calls[-1]["results"]]  # aligned with the prompts
+    assert logprobs == [r.logprobs for r in spy.calls[-1]["results"]]
+    for tokens, lps in zip(ids, logprobs):
+        assert 0 < len(tokens) <= 8 and len(lps) == len(tokens) and all(isinstance(t, int) for t in tokens)
+        assert tokens[-1] == 1 or len(tokens) == 8  # ends at EOS (kept) or at max_completion_length
+    assert ids[0] != ids[1]  # same prompt, different samples
+    with pytest.raises(NotImplementedError):
+        trainer._generate_single_turn(prompts, [None] * 4, {}, num_generations=1, has_tool_images=True)
