@@ -51,7 +51,7 @@ class SamplingParams:
     """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p).
 
     seed: None draws a fresh seed per request from torch's global generator.
-    eos_token_id: int, list of ints, or None for the model's generation config.
+    eos_token_id: int, list of ints ([] = no EOS), or None for the model's generation config at call time.
     stop_token_ids: extra tokens that end the request with finish_reason "stop".
     logprobs: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy).
     """

@@ -28,22 +28,32 @@ class SyncCBDriver:
     def __init__(self, model: torch.nn.Module, config: CBConfig | None = None):
         self.model = model
         self.config = config or CBConfig()
-        base = base_model(model)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Size the cache, backend and graphs for the model's current device and dtype."""
+        base = base_model(self.model)
         text_config = base.config.get_text_config()
         embeddings = base.get_input_embeddings().weight
-        self.device = embeddings.device
+        self.device, self.dtype = embeddings.device, embeddings.dtype
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
-        self.default_eos = base.generation_config.eos_token_id if base.generation_config else None
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
-                                  embeddings.dtype, self.device)
+                                  self.dtype, self.device)
         self.backend = select_backend(self.config.attn_backend, self.device)
         self.graphs = None
         if self.config.cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, self.cache, self.backend, self.config.max_batch_size,
+            self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.config.max_batch_size,
                                        self.config.compile)
-        self.runner = ModelRunner(model, self.cache, self.backend, self.device, self.graphs)
+        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, self.graphs)
+
+    def _follow_model(self) -> None:
+        """Re-bind after the model moved to another device or dtype (`.to()`), dropping the old cache."""
+        weight = base_model(self.model).get_input_embeddings().weight
+        if (weight.device, weight.dtype) != (self.device, self.dtype):
+            self.release()
+            self._bind()
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -54,6 +64,7 @@ class SyncCBDriver:
         """
         if len(prompts) == 0:
             return []
+        self._follow_model()
         requests = self._build_requests(prompts, params)
         capacity = self._capacity_blocks()
         for request in requests:
@@ -111,15 +122,18 @@ class SyncCBDriver:
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        unseeded = sum(isinstance(p, SamplingParams) and p.seed is None for p in params)
+        seeds = iter(torch.randint(0, 2**62, (unseeded,)).tolist())
+        generation_config = base_model(self.model).generation_config
+        default_eos = generation_config.eos_token_id if generation_config is not None else None
         requests = []
         for index, (prompt, p) in enumerate(zip(prompts, params)):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"request {index}: params must be SamplingParams, got {type(p).__name__}")
             tokens = self._check_prompt(index, prompt)
-            eos = p.eos_token_id if p.eos_token_id is not None else self.default_eos
+            eos = p.eos_token_id if p.eos_token_id is not None else default_eos
             eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-            requests.append(Request(index, tokens, p, p.seed if p.seed is not None else seeds[index], eos_ids))
+            requests.append(Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids))
         return requests
 
     def _check_prompt(self, index: int, prompt) -> list[int]:

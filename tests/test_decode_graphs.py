@@ -79,3 +79,19 @@ def test_adapter_switch_changes_fingerprint():
     with model.disable_adapter():
         assert model_fingerprint(model) != before
     assert model_fingerprint(model) == before
+
+
+def test_compiled_decode_step_compiles_once_for_all_buckets_and_drivers():
+    pytest.importorskip("triton")
+    from torch._dynamo.utils import counters
+    model = make_model("qwen3", lora=True)
+    prompts = random_prompts([3, 20, 41])
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(2):                                     # a second driver on the same model reuses the compile
+        driver = SyncCBDriver(model, CBConfig(max_batch_size=8, block_size=8, attn_backend="triton"))
+        driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, 8, compile_model=True)
+        driver.runner.graphs = driver.graphs
+        results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
+        assert driver.graphs.buckets == [2, 4, 8]
+        assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -120,3 +120,26 @@ def test_cache_is_sized_to_the_call(model):
     driver = SyncCBDriver(model, CBConfig(block_size=16))
     driver.generate(random_prompts([10, 40]), SamplingParams(max_new_tokens=8))
     assert driver.cache.num_blocks == 2 + 3        # ceil(18 / 16) + ceil(48 / 16)
+
+
+def test_driver_follows_dtype_change_and_generation_config():
+    model = make_model("llama")
+    driver = SyncCBDriver(model)
+    prompt = random_prompts([9])[0]
+    driver.generate([prompt], SamplingParams(max_new_tokens=4))
+    model.to(torch.float64)
+    result = driver.generate([prompt], SamplingParams(max_new_tokens=4))[0]
+    assert driver.cache.dtype == torch.float64 and driver.cache.k_caches[0].dtype == torch.float64
+    assert result.token_ids == hf_greedy(model, prompt, 4)
+    free_run = result.token_ids
+    model.generation_config.eos_token_id = free_run[1]
+    stopped = driver.generate([prompt], SamplingParams(max_new_tokens=4))[0]
+    assert stopped.token_ids == free_run[:free_run.index(free_run[1]) + 1] and stopped.finish_reason == "eos"
+    unstopped = driver.generate([prompt], SamplingParams(max_new_tokens=4, eos_token_id=[]))[0]
+    assert unstopped.token_ids == free_run
+
+
+def test_seeded_requests_leave_the_global_rng_alone(model):
+    state = torch.get_rng_state()
+    SyncCBDriver(model).generate(random_prompts([4]), SamplingParams(max_new_tokens=2, seed=3))
+    assert torch.equal(state, torch.get_rng_state())

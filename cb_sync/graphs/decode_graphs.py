@@ -3,6 +3,8 @@ all in one memory pool, re-captured whenever what they recorded (weights, adapte
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..attention import AttnMetadata
@@ -30,6 +32,17 @@ def model_fingerprint(model: torch.nn.Module) -> tuple:
     return params, adapters
 
 
+def model_logits(model, input_ids, positions, meta):
+    """Logits of every row: the part of the decode step that torch.compile may take."""
+    return model(input_ids=input_ids, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
+
+
+@functools.cache
+def compiled_model_logits():
+    """One compiled function for every driver: dynamo caches per code object and guards on the model passed."""
+    return torch.compile(model_logits)
+
+
 class DecodeGraphs:
     """Replays a captured decode step for plans where every request feeds one token and samples the next."""
 
@@ -37,9 +50,11 @@ class DecodeGraphs:
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.buckets = decode_buckets(max_batch_size)
+        # Compiled, size 1 would be specialised into a second compile: one request pads to two rows instead.
+        self.buckets = [b for b in decode_buckets(max_batch_size) if not compile_model or b > 1 or max_batch_size == 1]
         self.max_batch = self.buckets[-1]
-        self.forward = torch.compile(self._logits) if compile_model else self._logits
+        self.compiled = compile_model
+        self.forward = compiled_model_logits() if compile_model else model_logits
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.width = 0
@@ -84,15 +99,17 @@ class DecodeGraphs:
 
     # -- the step -------------------------------------------------------------------------------------------
 
-    def _logits(self, input_ids, positions, meta):
-        return self.model(input_ids=input_ids, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
-
     def step(self, bucket: int, mode: int) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
-        meta = AttnMetadata(self.slots[:bucket], self.tables[:bucket], self.seq_lens[:bucket],
-                            self.query_start[:bucket + 1], 1, self.width * self.cache.block_size,
+        rows = [self.input_ids[:, :bucket], self.positions[:, :bucket], self.slots[:bucket], self.tables[:bucket],
+                self.seq_lens[:bucket], self.query_start[:bucket + 1]]
+        if self.compiled:                           # one compile serves every bucket
+            for t, batch_dim in zip(rows, (1, 1, 0, 0, 0, 0)):
+                torch._dynamo.mark_dynamic(t, batch_dim)
+        input_ids, positions, slots, tables, seq_lens, query_start = rows
+        meta = AttnMetadata(slots, tables, seq_lens, query_start, 1, self.width * self.cache.block_size,
                             self.cache.k_caches, self.cache.v_caches, self.backend)
-        logits = self.forward(self.input_ids[:, :bucket], self.positions[:, :bucket], meta)
+        logits = self.forward(self.model, input_ids, positions, meta)
         s = self.sampling
         rows = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
                              s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
@@ -113,9 +130,6 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
-            if self.forward is not self._logits:
-                for t in (self.input_ids, self.positions):
-                    torch._dynamo.mark_dynamic(t[:, :bucket], 1)
             self.step(bucket, mode)                 # warm-up: compile, autotune, lazy init
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
