@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(config, items):
 def make_model(arch: str, seed: int = 0, lora: bool = False) -> torch.nn.Module:
     """A tiny randomly initialised model of `arch` in eval mode, with no EOS so every request runs to length."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(ARCHS[arch](), attn_implementation="sdpa").eval()
+    attn = "eager" if arch == "gemma2" else "sdpa"       # newer transformers refuse sdpa for soft-capping
+    model = AutoModelForCausalLM.from_config(ARCHS[arch](), attn_implementation=attn).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     if lora:
