@@ -183,9 +183,10 @@ def test_one_driver_kept_and_released_unless_persistent(model, monkeypatch):
     assert get_driver(model) is driver and len(released) == 1
     model.generate_batch(PROMPTS, generation_config=greedy_config(3), persistent_manager=True)
     assert get_driver(model) is driver and len(released) == 1
-    model.to(torch.float64)  # a cast after the driver was built: its cache would have the wrong dtype
+    model.to(torch.float64)  # a cast after the driver was built: the same driver re-binds its cache
     out = model.generate_batch(PROMPTS, generation_config=greedy_config(5))
-    assert get_driver(model) is not driver and len(released) == 2
+    assert get_driver(model) is driver and driver.cache.dtype == torch.float64
+    assert len(released) == 3   # the re-bind drops the old cache, and the call releases the new one
     assert [o.generated_tokens for o in out.values()] == [hf_greedy(model, p, 5) for p in PROMPTS]
 
 

@@ -98,24 +98,18 @@ class _State:
         self.model = model              # the module the driver runs (None: the module the method is bound to)
         self.config = config
         self.driver: SyncCBDriver | None = None
-        self.placement = None           # (device, dtype) of the weights when the driver was built
         self.targets = targets          # modules carrying the installed method
         self.previous = {id(t): t.__dict__.get(_METHOD) for t in targets}  # instance attributes it shadows
 
     def driver_for(self, bound) -> SyncCBDriver:
-        model = self.model if self.model is not None else bound
-        if self.driver is None or self.placement != weight_placement(model):
-            if self.driver is not None:  # the model was moved or cast since: its cache no longer fits
-                self.driver.release()
-            self.driver = SyncCBDriver(model, self.config)
-            self.placement = weight_placement(model)
+        if self.driver is None:         # the driver follows later moves and casts of the model itself
+            self.driver = SyncCBDriver(self.model if self.model is not None else bound, self.config)
         return self.driver
 
     def __deepcopy__(self, memo):
         # A copied model generates with its own modules: keep the config, drop driver and model references.
         fresh = _State.__new__(_State)
         fresh.model, fresh.config, fresh.driver, fresh.targets, fresh.previous = None, self.config, None, [], {}
-        fresh.placement = None
         return fresh
 
     def __getstate__(self):
@@ -171,12 +165,6 @@ def get_driver(model: torch.nn.Module) -> SyncCBDriver:
     if state is None:
         raise ValueError("cb_sync is not enabled on this model: call cb_sync.integrations.transformers.enable(model)")
     return state.driver_for(model)
-
-
-def weight_placement(model: torch.nn.Module) -> tuple:
-    """(device, dtype) of the input embeddings: a driver built for other values must be rebuilt."""
-    weight = model.get_input_embeddings().weight
-    return weight.device, weight.dtype
 
 
 def _generate_batch(self, inputs: list[list[int]], generation_config=None, continuous_batching_config=None,

@@ -45,7 +45,7 @@ from trl.extras.profiling import profiling_context
 
 from ..config import CBConfig
 from ..driver import SyncCBDriver
-from .transformers import sampling_params_from_generation_config, weight_placement
+from .transformers import sampling_params_from_generation_config
 
 __all__ = ["CBSyncGRPOTrainer"]
 
@@ -100,7 +100,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     def cb_driver(self) -> SyncCBDriver:
         """The persistent driver on the unwrapped model (rebuilt only if that object, its device or dtype changes)."""
         model = self.accelerator.unwrap_model(self.model_wrapped)
-        key = (id(model), weight_placement(model))
+        key = id(model)
         if self._cb_driver is None or self._cb_driver_key != key:
             if self._cb_driver is not None:
                 self._cb_driver.release()
