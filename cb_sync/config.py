@@ -16,7 +16,8 @@ class CBConfig:
     max_batch_tokens: token budget of one step, shared by prefill chunks and decodes.
     max_batch_size: most requests running at once.
     attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton".
-    cuda_graphs: replay captured graphs for pure-decode steps (CUDA only).
+    cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton backend; the sdpa_paged
+        reference syncs with the host and always runs eagerly).
     compile: torch.compile the decode step before capture (CUDA only).
     max_cache_gib: cap on KV memory when num_blocks is None.
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .attention import select_backend
+from .attention import sdpa_paged, select_backend
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
 from .graphs.decode_graphs import DecodeGraphs
@@ -43,7 +43,7 @@ class SyncCBDriver:
                                   self.dtype, self.device)
         self.backend = select_backend(self.config.attn_backend, self.device)
         self.graphs = None
-        if self.config.cuda_graphs and self.device.type == "cuda":
+        if self.config.cuda_graphs and self.device.type == "cuda" and self.backend is not sdpa_paged:
             self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.config.max_batch_size,
                                        self.config.compile)
         self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, self.graphs)
