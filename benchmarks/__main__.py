@@ -10,7 +10,7 @@ import importlib
 import sys
 from pathlib import Path
 
-NOT_SCRIPTS = {"common", "grpo_stats"}
+NOT_SCRIPTS = {"common", "grpo_stats", "grpo_report", "grpo_workload"}
 
 
 def scripts() -> list[str]:

@@ -33,10 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
-import math
-import random
-import re
 import statistics
 import tempfile
 import time
@@ -45,104 +41,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, build_model, environment, markdown_table, write_results
+from benchmarks.common import RESULTS, build_model, write_results
+from benchmarks.grpo_report import gate_lines, plot, report, summary_table
 from benchmarks.grpo_stats import GRPOStats, compare
+from benchmarks.grpo_workload import (GEN_BATCH, REFERENCE, REWARD_RANGE, REWARDS, lora_config, make_dataset,
+                                      make_tokenizer)
 
 BACKENDS = ("cb_sync", "trl_generate", "trl_cb", "vllm", "unsloth")
-REFERENCE = "trl_generate"
-GEN_BATCH = 4          # completions per step: num_generations=4 x 1 prompt (per_device_train_batch_size=4)
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-# -- tokenizer: a word-level vocabulary covering every id of the model ------------------------------------------
-
-SPECIALS = ["<pad>", "<eos>", "<bos>"]
-TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
-WORDS = ["Solve", "the", "sum", ".", ",", "Think", "between", "and", "then", "answer", "Q", "A", ":", "What", "is",
-         "+", "?"] + [str(d) for d in range(10)]
-
-
-def make_tokenizer(vocab_size: int):
-    """PreTrainedTokenizerFast over ids 0..vocab_size-1: special tokens and the prompt words first, then t<id>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    words = SPECIALS + TAGS + WORDS
-    vocab = {w: i for i, w in enumerate(words)}
-    vocab.update({f"t{i}": i for i in range(len(words), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # the tags stay ordinary tokens: TRL decodes completions with skip_special_tokens=True
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
-    assert len(tokenizer) == vocab_size
-    return tokenizer
-
-
-# -- data: few-shot two-digit additions, 130 prompt tokens at 6 shots -----------------------------------------------
-
-def _digits(n: int) -> str:
-    return " ".join(str(n))
-
-
-def make_dataset(n: int = 64, shots: int = 6, seed: int = 0):
-    from datasets import Dataset
-    rng = random.Random(seed)
-    head = "Solve the sum . Think between <think> and </think> , then answer between <answer> and </answer> ."
-    prompts, answers = [], []
-    for _ in range(n):
-        parts = [head]
-        for _ in range(shots):
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
-            parts.append(f"Q : What is {_digits(a)} + {_digits(b)} ? A : <answer> {_digits(a + b)} </answer>")
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        parts.append(f"Q : What is {_digits(a)} + {_digits(b)} ? A :")
-        prompts.append(" ".join(parts))
-        answers.append(_digits(a + b))
-    return Dataset.from_dict({"prompt": prompts, "answer": answers})
-
-
-# -- rewards, in the style of the reference notebook (each carries its range for the gate) ------------------------
-
-MATCH_FORMAT = re.compile(r"</think>.*?<answer>\s*(.+?)\s*</answer>", re.DOTALL)
-ANSWER = re.compile(r"<answer>\s*(.+?)\s*</answer>", re.DOTALL)
-
-
-def _ranged(lo: float, hi: float):
-    def mark(fn):
-        fn.reward_range = (lo, hi)
-        return fn
-    return mark
-
-
-@_ranged(0.0, 3.0)
-def match_format_exactly(completions, **kwargs) -> list[float]:
-    """3 when the completion closes its reasoning and gives an answer between the tags."""
-    return [3.0 if MATCH_FORMAT.search(c) else 0.0 for c in completions]
-
-
-@_ranged(-2.0, 2.0)
-def match_format_approximately(completions, **kwargs) -> list[float]:
-    """+0.5 for each of the four tags that appears exactly once, -0.5 otherwise."""
-    return [sum(0.5 if c.count(tag) == 1 else -0.5 for tag in TAGS) for c in completions]
-
-
-@_ranged(-1.0, 5.0)
-def check_answer(completions, answer, **kwargs) -> list[float]:
-    """5 for the right sum between the answer tags, -1 for a wrong one, 0 when there is none."""
-    out = []
-    for c, truth in zip(completions, answer):
-        found = ANSWER.search(c)
-        out.append(0.0 if found is None else 5.0 if found.group(1).split() == truth.split() else -1.0)
-    return out
-
-
-@_ranged(0.0, 1.0)
-def even_token_fraction(completion_ids, **kwargs) -> list[float]:
-    """The fraction of even token ids: cheap, and it varies between the samples of a group under random weights."""
-    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-
-REWARDS = [match_format_exactly, match_format_approximately, check_answer, even_token_fraction]
-REWARD_RANGE = (sum(f.reward_range[0] for f in REWARDS), sum(f.reward_range[1] for f in REWARDS))
-
 
 # -- one backend ------------------------------------------------------------------------------------------------
 
@@ -156,11 +61,6 @@ def build(args, tokenizer):
         config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
         config.pad_token_id = tokenizer.pad_token_id
     return model
-
-
-def lora_config():
-    from peft import LoraConfig
-    return LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
 
 
 def grpo_config(args, output_dir: str, **extra):
@@ -246,169 +146,6 @@ def summarize(per_step: list[dict], warmup: int) -> dict:
             "timed_steps": len(timed),
             "mean_completion_len": round(statistics.mean(lengths), 1) if lengths else None,
             "logp_gap_max": max(gaps) if gaps else None}
-
-
-# -- report -----------------------------------------------------------------------------------------------------
-
-def _fmt(x, digits=4):
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{digits}g}" if math.isfinite(x) else str(x)
-    return str(x)
-
-
-def _verdict(gate: dict | None) -> str:
-    return "-" if gate is None else "pass" if gate["pass"] else "FAIL"
-
-
-def summary_table(rows: list[dict]) -> str:
-    """One line per backend; ratios are peer / cb_sync for time and cb_sync / peer for memory, this run only."""
-    cb = next((r for r in rows if r["engine"] == "cb_sync" and r.get("step_ms") is not None), None)
-    out = []
-    for r in rows:
-        note = r.get("skipped") or (f"error: {r['error'][:100]}" if r.get("error") else "")
-        if r.get("step_ms") is None:
-            out.append([r["engine"], "-", "-", "-", "-", "-", "-", note or "no step finished"])
-            continue
-        ratio = "-"
-        if cb is not None and r is not cb:
-            mem = f"{cb['peak_gib'] / r['peak_gib']:.2f}x" if cb.get("peak_gib") and r.get("peak_gib") else "-"
-            ratio = f"{r['step_ms'] / cb['step_ms']:.2f}x / {r['gen_ms'] / cb['gen_ms']:.2f}x / {mem}"
-        verdict = (f"reference ({_verdict(r.get('gate_self'))})" if r["engine"] == REFERENCE
-                   else _verdict(r.get("gate") or r.get("gate_self")))
-        steps = f"{len(r['per_step'])}/{r['steps']}" + (" (time limit)" if r.get("stopped_early") else "")
-        out.append([r["engine"], steps, r["step_ms"], r["gen_ms"], _fmt(r["peak_gib"]), _fmt(r["mean_completion_len"]),
-                    verdict, ratio + (f" ({note})" if note else "")])
-    return markdown_table(["backend", "steps", "median step ms", "median rollout ms", "peak GiB", "completion len",
-                           "gate", "peer/cb_sync: step time / rollout time; cb_sync/peer: peak memory"], out)
-
-
-def step_table(per_step: list[dict]) -> str:
-    keys = ["step", "step_s", "gen_s", "peak_gib", "loss", "reward", "reward_std", "kl", "grad_norm",
-            "completion_len", "logp_gap_mean", "logp_gap_max"]
-    return markdown_table(keys, [[_fmt(r.get(k)) for k in keys] for r in per_step])
-
-
-def _describe(name: str, check: dict) -> str:
-    verdict = "n/a" if check["pass"] is None else "pass" if check["pass"] else "FAIL"
-    extra = ""
-    if name == "kl_close" and "max_abs_diff" in check:
-        extra = (f" (max |dKL| {check['max_abs_diff']:.3g}, allowed {check['kl_tol']:g} + {check['kl_rtol']:g} x "
-                 f"|KL_ref|; mean KL {check['mean_other']:.3g} vs {check['mean_reference']:.3g})")
-    elif name == "rewards_in_range" and "range" in check:
-        found = [x for x in check["rewards"] if x is not None]
-        extra = (f" (rewards {min(found):.3g}..{max(found):.3g} in {check['range']})" if found
-                 else " (no reward logged)")
-    elif name == "logp_gap":
-        tol = f"tol {check['tol']:g}" if check["tol"] is not None else "report only"
-        extra = f" (max {check['max']:.3g}, {tol})"
-    elif name == "signal":
-        extra = f" ({check['steps_with_signal']} steps with reward_std > 0 and grad_norm > 0)"
-    elif name == "steps":
-        extra = f" ({check['other']} of {check['expected']})"
-    return f"{name} {verdict}{extra}"
-
-
-def gate_lines(rows: list[dict]) -> list[str]:
-    lines = []
-    for r in rows:
-        gate, against = (r["gate"], REFERENCE) if r.get("gate") else (r.get("gate_self"), "itself")
-        if gate is None:
-            continue
-        lines.append(f"- {r['engine']} vs {against}: **{_verdict(gate)}**; "
-                     + "; ".join(_describe(n, c) for n, c in gate["checks"].items()))
-    return lines
-
-
-def notes(args, rows: list[dict]) -> list[str]:
-    ran = {r["engine"] for r in rows if r.get("per_step")}
-    out = []
-    if "trl_cb" in ran:
-        out.append("- trl_cb: transformers' CB warns that it may not apply `min_p`; on the GPU TRL casts the whole "
-                   "model, LoRA included, to bf16 before each `generate_batch` (the other backends keep LoRA in fp32). "
-                   + ("Its KV cache is TRL's default, 50% of free device memory." if not args.tiny
-                      else "Its KV cache is 16 blocks here (CPU)."))
-    if not args.tiny:
-        out.append("- Outside reference (B200, the reference notebook, not comparable as a ratio): vLLM median step "
-                   "4.14 s at 158 GB peak; Unsloth HF path 23.95 s at 10.7 GB; transformers CB 36 s at 55.6 GB.")
-    return ["## Notes", "", *out, ""] if out else []
-
-
-def report(args, rows: list[dict], prompt_len: int) -> str:
-    shape = "tiny Qwen3 (2 layers, vocab 512), fp32, CPU" if args.tiny else "Qwen3-4B shape, bf16"
-    prints = {json.dumps(r["init_fingerprint"], sort_keys=True) for r in rows if r.get("init_fingerprint")}
-    same = ("identical across backends" if len(prints) == 1 else "DIFFERENT across backends" if prints
-            else "not recorded")
-    text = [f"# Workload G (GRPO): {shape}, LoRA r32 on all 7 projections", "",
-            f"{args.steps} steps ({args.warmup} warm-up, left out of the medians), {GEN_BATCH} completions per step "
-            f"(1 prompt x 4 generations), prompt {prompt_len} tokens, completions to {args.max_completion} tokens "
-            f"(EOS silenced), temperature 0.1, top_p 0.97, min_p 0.5, top_k 5, lr 5e-6, beta {args.beta}, "
-            f"seed {args.seed}. The backends ran in one process on one device ({environment()['card']}), one after "
-            f"the other, each on a freshly built copy of the same weights (initial trainable weights {same}). "
-            "Step time: optimizer step begin to end (rollout, rewards, logprob passes, backward, optimizer), device "
-            "synchronised; rollout time: TRL's `_generate`. Peak GiB: max over timed steps of "
-            "torch.cuda.max_memory_allocated (reset at every step begin).",
-            "", "## Summary", "", summary_table(rows),
-            "## Equivalence gate", "",
-            f"Against {REFERENCE}: every step done, finite losses and grad norms, mean reward within the reward "
-            f"functions' range {list(REWARD_RANGE)}, some step with non-zero advantages (reward_std > 0 and "
-            f"grad_norm > 0), per-step |KL - KL_ref| <= {args.kl_atol:g} + {args.kl_rtol:g} x |KL_ref| (backends draw "
-            "different samples, so KL can agree only statistically); cb_sync's generator-vs-trainer logprob gap is "
-            + (f"gated at {args.logp_gap_tol:g}." if args.logp_gap_tol is not None else "reported."), ""]
-    text += gate_lines(rows) or ["- no backend finished a step"]
-    text.append("")
-    for r in rows:
-        if r.get("per_step"):
-            extra = f", decode-graph capture {r['cb_capture_s_total']} s in all" if "cb_capture_s_total" in r else ""
-            text += [f"## {r['engine']} per step (model and trainer built in {r.get('build_s', '-')} s{extra})", "",
-                     step_table(r["per_step"])]
-    text += notes(args, rows)
-    cb = next((r for r in rows if r["engine"] == "cb_sync" and r.get("per_step")), None)
-    if cb is not None:
-        text += ["## cb_sync: generator vs trainer logprob gap per step", "",
-                 "mean / max |log p_generator - log p_trainer| over completion tokens: "
-                 + ", ".join(f"step {s['step']}: {_fmt(s.get('logp_gap_mean'), 3)} / {_fmt(s.get('logp_gap_max'), 3)}"
-                             for s in cb["per_step"]), ""]
-    return "\n".join(text)
-
-
-def plot(rows: list[dict], path: Path) -> bool:
-    """Step time, peak memory and KL per step, one line per backend; skipped (False) without matplotlib."""
-    ran = [r for r in rows if r.get("per_step")]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except Exception:
-        return False
-    if not ran:
-        return False
-    try:
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        series = [("step_s", "step time (s)"), ("peak_gib", "peak GPU memory (GiB)"),
-                  ("kl", "KL to the reference (base) model")]
-        for ax, (key, title) in zip(axes, series):
-            for r in ran:
-                points = [(s["step"], s[key]) for s in r["per_step"] if s.get(key) is not None]
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=r["engine"])
-            ax.set_title(title)
-            ax.set_xlabel("step")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend()
-            else:
-                ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return True
-    except Exception as error:        # a plot must never cost the measured results
-        print(f"plot skipped: {error!r}", flush=True)
-        return False
-
 
 # -- main -------------------------------------------------------------------------------------------------------
 
