@@ -30,10 +30,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Uniform (0, 1) float32 noise per (seed [S], position [S], token id [S, V]); depends on nothing else."""
+    """Uniform float32 noise strictly inside (0, 1) per (seed [S], position [S], token id [S, V]); depends on
+    nothing else. 23 bits keep (k + 0.5) / 2**23 exact in float32, so 1.0 (an infinite Gumbel) never occurs."""
     key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ _mix32(positions & _MASK32)))
     bits = _mix32(key[:, None] ^ _mix32(token_ids ^ 0x9E3779B9))
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -98,10 +99,11 @@ def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.
 
 
 def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Apply top-k, then top-p, then min-p (each renormalising over what the previous kept), then draw."""
+    """Apply top-k (ties with the k-th value kept, as HF), then top-p, then min-p (each renormalising over what the
+    previous kept), then draw."""
     values, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(values.shape[1], device=values.device)[None, :]
-    keep = (batch.top_k[:, None] == 0) | (ranks < batch.top_k[:, None])
+    kth = values.gather(1, (batch.top_k.clamp(min=1, max=values.shape[1]) - 1)[:, None])
+    keep = (batch.top_k[:, None] == 0) | (values >= kth)
     values = values.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(values, dim=-1)
     keep &= (probs.cumsum(dim=-1) - probs) < batch.top_p[:, None]

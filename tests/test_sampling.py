@@ -110,3 +110,29 @@ def test_no_logprobs_unless_asked():
     model = make_model("llama")
     result = SyncCBDriver(model).generate(random_prompts([4]), SamplingParams(max_new_tokens=3))[0]
     assert result.logprobs is None
+
+
+def test_noise_is_strictly_inside_the_unit_interval():
+    from cb_sync.sampling import uniform_noise
+    tokens = torch.arange(1 << 18).expand(64, -1)
+    u = uniform_noise(torch.full((64,), 12345), torch.arange(64), tokens)
+    assert 0 < u.min() and u.max() < 1
+
+
+def test_peaked_logits_never_sample_another_token():
+    """With a real vocabulary size, about 1% of rows used to draw u == 1 for some token (an infinite Gumbel)."""
+    rows = 512
+    logits = torch.zeros(rows, 151936)
+    logits[:, 7] = 50.0
+    tokens, _ = sample(logits, _batch(rows, seeds=torch.full((rows,), 12345), positions=torch.arange(rows)))
+    assert (tokens == 7).all()
+    filtered, _ = sample(logits[:32], _batch(32, top_k=1, seeds=torch.full((32,), 12345), positions=torch.arange(32)))
+    assert (filtered == 7).all()
+
+
+def test_top_k_keeps_ties_like_hf():
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]]).expand(4000, -1)
+    allowed, _ = _hf_allowed(logits[:1], 1.0, 2, 1.0, 0.0)
+    assert allowed[0].tolist() == [True, True, True, False, False]
+    tokens, _ = sample(logits, _batch(4000, top_k=2, seeds=torch.arange(4000)))
+    assert set(tokens.tolist()) == {0, 1, 2}
