@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 ATTN_BACKENDS = ("auto", "sdpa_paged", "triton")
@@ -72,7 +73,7 @@ class SamplingParams:
         _positive("max_new_tokens", self.max_new_tokens)
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -80,13 +81,23 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        for name, ids in (("eos_token_id", self.eos_token_id), ("stop_token_ids", self.stop_token_ids)):
-            if ids is None:
-                continue
-            for t in [ids] if isinstance(ids, int) else ids:
-                if not (isinstance(t, int) and t >= 0):
-                    raise ValueError(f"{name} must hold ints >= 0, got {ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        if self.eos_token_id is not None:
+            self.eos_token_id = _token_ids("eos_token_id", self.eos_token_id)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, allow_single=False)
+
+
+def _token_ids(name: str, ids, allow_single: bool = True):
+    """Plain ints from an int or an iterable of ints (numpy and torch integers included); ValueError otherwise."""
+    single = isinstance(ids, numbers.Integral) and not isinstance(ids, bool)
+    if single and not allow_single:
+        raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+    try:
+        values = [ids] if single else list(ids)
+    except TypeError:
+        raise ValueError(f"{name} must be an int or a list of ints, got {ids!r}") from None
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in values):
+        raise ValueError(f"{name} must hold ints >= 0, got {ids!r}")
+    return int(values[0]) if single else [int(t) for t in values]
 
 
 def _positive(name: str, value) -> None:

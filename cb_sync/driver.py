@@ -12,7 +12,7 @@ from .attention import sdpa_paged, select_backend
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
 from .graphs.decode_graphs import DecodeGraphs
-from .model_state import base_model, generation_mode
+from .model_state import base_model, check_supported, generation_mode
 from .request import GenerationResult, Request
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -28,6 +28,7 @@ class SyncCBDriver:
     def __init__(self, model: torch.nn.Module, config: CBConfig | None = None):
         self.model = model
         self.config = config or CBConfig()
+        check_supported(model)
         self._bind()
 
     def _bind(self) -> None:
@@ -37,6 +38,7 @@ class SyncCBDriver:
         embeddings = base.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
+        self.max_positions = learned_position_limit(text_config)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
@@ -68,6 +70,10 @@ class SyncCBDriver:
         requests = self._build_requests(prompts, params)
         capacity = self._capacity_blocks()
         for request in requests:
+            if self.max_positions is not None and request.max_tokens > self.max_positions:
+                raise ValueError(f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
+                                 f"{request.params.max_new_tokens} exceeds the model's {self.max_positions} "
+                                 "learned positions")
             if blocks_for(request.max_tokens, self.config.block_size) > capacity:
                 raise ValueError(
                     f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
@@ -148,3 +154,13 @@ class SyncCBDriver:
                 raise ValueError(f"request {index}: token {token!r} at position {position} is not an id in "
                                  f"[0, {self.vocab_size})")
         return list(prompt)
+
+
+def learned_position_limit(text_config) -> int | None:
+    """The hard length limit of models with a learned position table (GPT-2, OPT, ...); None for rotary models."""
+    if any(getattr(text_config, name, None) is not None for name in ("rope_theta", "rope_parameters", "rope_scaling")):
+        return None
+    for name in ("max_position_embeddings", "n_positions"):
+        if getattr(text_config, name, None):
+            return getattr(text_config, name)
+    return None

@@ -14,6 +14,19 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuse models whose attention does not go through transformers' AttentionInterface: they would run the
+    flat batch as one sequence. Leaves the model as it was."""
+    base = base_model(model)
+    previous = base.config._attn_implementation
+    base.set_attn_implementation(ATTN_IMPLEMENTATION)
+    switched = base.config._attn_implementation == ATTN_IMPLEMENTATION
+    base.set_attn_implementation(previous)
+    if not switched:
+        raise ValueError(f"{type(base).__name__} does not route attention through transformers' AttentionInterface, "
+                         "so cb_sync cannot supply paged attention to it")
+
+
 @contextmanager
 def generation_mode(model: torch.nn.Module):
     """Run the model with paged attention, in eval and inference mode; restore every module's training flag

@@ -95,3 +95,13 @@ def test_compiled_decode_step_compiles_once_for_all_buckets_and_drivers():
         assert driver.graphs.buckets == [2, 4, 8]
         assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_padded_rows_hold_no_stale_blocks_after_a_smaller_cache():
+    model = make_model("llama")
+    driver = _driver_with_static_path(model, block_size=4, max_batch_size=8)
+    driver.generate(random_prompts([30] * 8), SamplingParams(max_new_tokens=4))
+    driver.release()
+    prompts = random_prompts([3, 3, 3], seed=5)                 # bucket 4: one padded row
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]

@@ -50,7 +50,9 @@ def test_params_list_must_match_prompts(model):
 @pytest.mark.parametrize("kwargs,match", [
     ({"temperature": 0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"min_p": 1.0}, "min_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"seed": -3}, "seed"), ({"eos_token_id": [1, -2]}, "eos_token_id"), ({"stop_token_ids": ["a"]}, "stop")])
+    ({"seed": -3}, "seed"), ({"eos_token_id": [1, -2]}, "eos_token_id"), ({"stop_token_ids": ["a"]}, "stop"),
+    ({"stop_token_ids": None}, "stop_token_ids"), ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": True}, "top_k"),
+    ({"eos_token_id": True}, "eos_token_id")])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -143,3 +145,43 @@ def test_seeded_requests_leave_the_global_rng_alone(model):
     state = torch.get_rng_state()
     SyncCBDriver(model).generate(random_prompts([4]), SamplingParams(max_new_tokens=2, seed=3))
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_learned_positions_model_matches_hf_and_refuses_too_long_requests():
+    from transformers import AutoModelForCausalLM, GPT2Config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_positions=32, n_layer=2, n_embd=64, n_head=4,
+                                                        vocab_size=VOCAB, initializer_range=0.2)).eval()
+    model.generation_config.eos_token_id = None
+    driver = SyncCBDriver(model)
+    with pytest.raises(ValueError, match="request 1: prompt of 20 tokens plus max_new_tokens=20 exceeds the "
+                                         "model's 32 learned positions"):
+        driver.generate(random_prompts([3, 20]), SamplingParams(max_new_tokens=20))
+    prompts = random_prompts([3, 12])
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=20))
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
+
+
+def test_models_without_attention_interface_are_refused():
+    from transformers import AutoModelForCausalLM, FalconConfig
+    model = AutoModelForCausalLM.from_config(FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                                          vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="FalconForCausalLM does not route attention through"):
+        SyncCBDriver(model)
+    assert model.config._attn_implementation != "cb_sync_paged"
+
+
+def test_attention_sinks_are_refused():
+    from cb_sync.attention import paged_attention_forward
+    q = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        paged_attention_forward(torch.nn.Linear(1, 1), q, q, q, None, cb_meta=object(), s_aux=torch.zeros(2))
+
+
+@pytest.mark.parametrize("kwargs", [{"eos_token_id": 3}, {"stop_token_ids": [1, 2]}])
+def test_numpy_token_ids_are_accepted(kwargs):
+    import numpy as np
+    converted = {k: np.int64(v) if isinstance(v, int) else [np.int32(t) for t in v] for k, v in kwargs.items()}
+    params = SamplingParams(**converted)
+    for key, value in kwargs.items():
+        assert getattr(params, key) == value and type(getattr(params, key)) is type(value)

@@ -63,6 +63,11 @@ def test_scheduler_invariants(specs, block_size, budget, max_batch, sharing, sal
             assert request.status is Status.RUNNING
             assert chunk.start == request.num_computed and chunk.length > 0
             assert len(request.blocks) >= blocks_for(chunk.start + chunk.length, block_size)
+        contents = {}                                        # a block shared by two requests holds the same tokens
+        for r in scheduler.running:
+            for b, block in enumerate(r.blocks[:r.num_computed // block_size]):
+                tokens = tuple(r.token_slice(b * block_size, (b + 1) * block_size))
+                assert contents.setdefault(block, (b, tokens)) == (b, tokens)
         held = Counter(b for r in scheduler.running for b in r.blocks)
         assert all(allocator.ref_count(b) == n for b, n in held.items())
         assert allocator.num_free == capacity - len(held)

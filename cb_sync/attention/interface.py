@@ -25,6 +25,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if cb_meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the cb_meta batch metadata; "
                            "it runs only inside SyncCBDriver.generate()")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{type(module).__name__} uses attention sinks (s_aux), which cb_sync's paged "
+                                  "attention does not implement")
     layer = module.layer_idx
     k_cache, v_cache = cb_meta.k_caches[layer], cb_meta.v_caches[layer]
     backend = cb_meta.backend

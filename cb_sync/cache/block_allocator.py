@@ -1,14 +1,15 @@
-"""KV block bookkeeping: a free list, reference counts, and an index of computed full blocks by prefix hash."""
+"""KV block bookkeeping: a free list, reference counts, and an index of computed full blocks by prefix key."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 
 
 class BlockAllocator:
     """Hands out block ids; a block returns to the free list when its last reference is dropped.
 
-    A full block whose K/V has been computed can be registered under the hash of the token prefix it ends,
+    A full block whose K/V has been computed can be registered under a key naming the token prefix it ends,
     so a later request with the same prefix shares it instead of recomputing it.
     """
 
@@ -16,8 +17,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = deque(range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}
-        self._block_of: dict[int, int] = {}
+        self._key_of: dict[int, Hashable] = {}
+        self._block_of: dict[Hashable, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -40,19 +41,19 @@ class BlockAllocator:
             raise RuntimeError(f"block {block} freed twice")
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            prefix_hash = self._hash_of.pop(block, None)
-            if prefix_hash is not None:
-                del self._block_of[prefix_hash]
+            key = self._key_of.pop(block, None)
+            if key is not None:
+                del self._block_of[key]
             self._free.append(block)
 
-    def register(self, block: int, prefix_hash: int) -> None:
-        """Record that `block` holds the computed K/V ending the prefix with this hash."""
-        if prefix_hash not in self._block_of and block not in self._hash_of:
-            self._block_of[prefix_hash] = block
-            self._hash_of[block] = prefix_hash
+    def register(self, block: int, key: Hashable) -> None:
+        """Record that `block` holds the computed K/V ending the prefix named by `key`."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
 
-    def lookup(self, prefix_hash: int) -> int | None:
-        return self._block_of.get(prefix_hash)
+    def lookup(self, key: Hashable) -> int | None:
+        return self._block_of.get(key)
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]

@@ -160,6 +160,7 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32),
                                      non_blocking=True)
         self.tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.tables[n:bucket].zero_()             # padded rows: no stale block ids from an earlier, larger cache
         for name, (values, dtype) in sampling_columns(requests).items():
             getattr(self.sampling, name)[:n].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
         self.graphs[(bucket, mode)].replay()

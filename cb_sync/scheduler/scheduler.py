@@ -120,23 +120,24 @@ class Scheduler:
 
     # -- prefix sharing -------------------------------------------------------------------------------------
 
-    def _prefix_hashes(self, request: Request) -> list[int]:
-        """Hashes of the full prompt blocks that may be shared (the last prompt token always stays private)."""
-        hashes, running_hash = [], 0
-        for b in range((len(request.prompt) - 1) // self.block_size):
-            running_hash = hash((running_hash, *request.prompt[b * self.block_size:(b + 1) * self.block_size]))
-            hashes.append(running_hash)
-        return hashes
+    def _shareable_blocks(self, request: Request) -> list[tuple[int, ...]]:
+        """Token contents of the full prompt blocks that may be shared (the last prompt token stays private)."""
+        size = self.block_size
+        return [tuple(request.prompt[b * size:(b + 1) * size]) for b in range((len(request.prompt) - 1) // size)]
 
     def _share_prefix(self, request: Request) -> None:
+        """Take the computed blocks of the longest matching prefix. A block is keyed by its parent block and its
+        own tokens: exact, since a request holding a block also holds every block before it."""
         if not self.prefix_sharing or request.blocks:
             return
-        for prefix_hash in self._prefix_hashes(request):
-            block = self.allocator.lookup(prefix_hash)
+        parent = -1
+        for tokens in self._shareable_blocks(request):
+            block = self.allocator.lookup((parent, tokens))
             if block is None:
                 break
             self.allocator.share(block)
             request.blocks.append(block)
+            parent = block
         request.num_computed = len(request.blocks) * self.block_size
 
     def _waits_for_shared_prefix(self, request: Request) -> bool:
@@ -144,15 +145,15 @@ class Scheduler:
         and share it instead of computing it twice (the G copies of a GRPO prompt)."""
         if not self.prefix_sharing or request.blocks:
             return False
-        hashes = self._prefix_hashes(request)
-        if not hashes or self.allocator.lookup(hashes[0]) is not None:
+        blocks = self._shareable_blocks(request)
+        if not blocks or self.allocator.lookup((-1, blocks[0])) is not None:
             return False
         return any(other.num_computed < self.block_size <= len(other.prompt) - 1
-                   and other.prompt[:self.block_size] == request.prompt[:self.block_size]
-                   for other in self.running)
+                   and tuple(other.prompt[:self.block_size]) == blocks[0] for other in self.running)
 
     def _register_full_blocks(self, request: Request, computed_before: int) -> None:
-        shareable = self._prefix_hashes(request) if computed_before < len(request.prompt) else []
+        shareable = self._shareable_blocks(request) if computed_before < len(request.prompt) else []
         for b in range(computed_before // self.block_size, min(request.num_computed // self.block_size,
                                                                len(shareable))):
-            self.allocator.register(request.blocks[b], shareable[b])
+            parent = request.blocks[b - 1] if b else -1
+            self.allocator.register(request.blocks[b], (parent, shareable[b]))
