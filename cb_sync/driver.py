@@ -68,17 +68,7 @@ class SyncCBDriver:
             return []
         self._follow_model()
         requests = self._build_requests(prompts, params)
-        capacity = self._capacity_blocks()
-        for request in requests:
-            if self.max_positions is not None and request.max_tokens > self.max_positions:
-                raise ValueError(f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
-                                 f"{request.params.max_new_tokens} exceeds the model's {self.max_positions} "
-                                 "learned positions")
-            if blocks_for(request.max_tokens, self.config.block_size) > capacity:
-                raise ValueError(
-                    f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
-                    f"{request.params.max_new_tokens} needs {blocks_for(request.max_tokens, self.config.block_size)}"
-                    f" KV blocks of {self.config.block_size} tokens, but the cache holds at most {capacity}")
+        self._check_fits(requests)
         num_blocks = self.config.num_blocks or blocks_to_allocate(
             [r.max_tokens for r in requests], self.config.block_size, self.cache.bytes_per_block,
             self.config.max_cache_gib)
@@ -115,6 +105,19 @@ class SyncCBDriver:
             for request in scheduler.finish_step(plan):
                 bar.update(request.params.max_new_tokens - len(request.output))
             bar.update(len(sampled))
+
+    def _check_fits(self, requests: list[Request]) -> None:
+        """ValueError for a request longer than the model's learned positions or than the whole cache."""
+        capacity = self._capacity_blocks()
+        for request in requests:
+            prefix = (f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
+                      f"{request.params.max_new_tokens}")
+            if self.max_positions is not None and request.max_tokens > self.max_positions:
+                raise ValueError(f"{prefix} exceeds the model's {self.max_positions} learned positions")
+            needed = blocks_for(request.max_tokens, self.config.block_size)
+            if needed > capacity:
+                raise ValueError(f"{prefix} needs {needed} KV blocks of {self.config.block_size} tokens, but the cache "
+                                 f"holds at most {capacity}")
 
     def _capacity_blocks(self) -> int:
         if self.config.num_blocks is not None:
