@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# Reproduces the committed GPU results on one H200: GPU tests, decode-step probe, throughput vs peers.
-# Usage: bash benchmarks/run_h200.sh [tests] [throughput ARGS...]; logs go to $OUT (or benchmarks/results).
+# Reproduces the committed GPU results on one H200. Logs and result files go to $OUT (or benchmarks/results).
+#   bash benchmarks/run_h200.sh tests                         GPU tests (kernels, graphs, invalidation, 4B logprobs)
+#   bash benchmarks/run_h200.sh throughput [ARGS]             Workload T vs HF generate and transformers CB
+#   bash benchmarks/run_h200.sh decode [ARGS]                 decode-step probe per bucket, eager vs graph
+#   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs trl/datasets wheels in .whl/
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-stage=${1:-all}; shift || true
-if [ "$stage" = tests ] || [ "$stage" = all ]; then
-  timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log"
-fi
-if [ "$stage" = throughput ] || [ "$stage" = all ]; then
-  timeout 500 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/throughput.log"
-  cp benchmarks/results/*.json benchmarks/results/*.md "$OUT/" 2>/dev/null
-fi
+stage=${1:-tests}; shift || true
+case "$stage" in
+  tests)
+    timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
+  throughput)
+    timeout 550 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/throughput.log"
+    cp benchmarks/results/*.json benchmarks/results/*.md "$OUT/" 2>/dev/null ;;
+  decode)
+    timeout 550 python -m benchmarks.decode_graphs "$@" 2>&1 | tee "$OUT/decode_graphs.log"
+    cp benchmarks/results/decode_graphs.* "$OUT/" 2>/dev/null ;;
+  grpo)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    timeout -s INT -k 15 550 python -m benchmarks.grpo --out "$OUT" "$@" 2>&1 | tee "$OUT/grpo.log" ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
