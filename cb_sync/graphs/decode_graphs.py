@@ -111,10 +111,10 @@ class DecodeGraphs:
                             self.cache.k_caches, self.cache.v_caches, self.backend)
         logits = self.forward(self.model, input_ids, positions, meta)
         s = self.sampling
-        rows = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
-                             s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
-                             any_sample=mode != GREEDY, any_filter=mode == FILTERED)
-        tokens, logprobs = sample(logits, rows)
+        params = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
+                               s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
+                               any_sample=mode != GREEDY, any_filter=mode == FILTERED)
+        tokens, logprobs = sample(logits, params)
         self.out_tokens[:bucket].copy_(tokens)
         self.out_logprobs[:bucket].copy_(logprobs)
 

@@ -98,7 +98,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
 
     @property
     def cb_driver(self) -> SyncCBDriver:
-        """The persistent driver on the unwrapped model (rebuilt only if that object, its device or dtype changes)."""
+        """The persistent driver on the unwrapped model (rebuilt only if that object changes; it follows moves itself)."""
         model = self.accelerator.unwrap_model(self.model_wrapped)
         key = id(model)
         if self._cb_driver is None or self._cb_driver_key != key:
