@@ -85,6 +85,11 @@ class SamplingParams:
             self.eos_token_id = _token_ids("eos_token_id", self.eos_token_id)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, allow_single=False)
 
+    @property
+    def filtered(self) -> bool:
+        """Sampling with a top-k, top-p or min-p filter (needs the sorted sampler)."""
+        return self.do_sample and bool(self.top_k or self.top_p < 1 or self.min_p > 0)
+
 
 def _token_ids(name: str, ids, allow_single: bool = True):
     """Plain ints from an int or an iterable of ints (numpy and torch integers included); ValueError otherwise."""

@@ -72,7 +72,7 @@ def sampling_batch(requests, device: torch.device) -> SamplingBatch:
                for name, (values, dtype) in sampling_columns(requests).items()}
     params = [r.params for r in requests]
     return SamplingBatch(**columns, any_sample=any(p.do_sample for p in params),
-                         any_filter=any(p.do_sample and (p.top_k or p.top_p < 1 or p.min_p > 0) for p in params))
+                         any_filter=any(p.filtered for p in params))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

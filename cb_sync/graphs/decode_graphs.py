@@ -19,7 +19,7 @@ def sampling_mode(batch_params) -> int:
     mode = GREEDY
     for p in batch_params:
         if p.do_sample:
-            mode = max(mode, FILTERED if (p.top_k or p.top_p < 1 or p.min_p > 0) else SAMPLE)
+            mode = max(mode, FILTERED if p.filtered else SAMPLE)
     return mode
 
 

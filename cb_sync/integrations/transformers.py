@@ -248,7 +248,7 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
                          "them to their neutral values) from the GenerationConfig and model.generation_config.")
 
     eos = values.get("eos_token_id")  # None or []: no EOS (as generate(); model.generation_config was merged)
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else [int(t) for t in eos]
+    eos = [] if eos is None else eos   # SamplingParams validates and normalises ints and lists
     sampling = {}
     if values["do_sample"]:
         top_k, top_p, min_p = values["top_k"], values["top_p"], values.get("min_p")
