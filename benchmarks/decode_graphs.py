@@ -1,6 +1,9 @@
 """Decode-step probe: milliseconds per pure-decode step per bucket, eager vs graph replay (vs compiled graph),
 with and without LoRA, and % of the bandwidth floor. Every row of the batch has a 384-token context.
-    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile]
+    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--profile FILE]
+
+--profile appends, per probe, the GPU kernels of five graph replays grouped by kind (GEMM, Triton, attention,
+copies, other: count and microseconds per step) and the top kernels by GPU time.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from cb_sync.graphs.decode_graphs import GREEDY
 from cb_sync.model_state import generation_mode
 
 CONTEXT = 384
+KINDS = (("attention", ("_decode_", "_prefill_kernel", "_store_kv")),
+         ("gemm", ("gemm", "nvjet", "cutlass", "sm90_", "gemv")),
+         ("triton", ("triton_",)),
+         ("copy", ("memcpy", "memset", "copy", "Memcpy", "Memset")))
 
 
 def _ms_per_call(fn, repeats: int = 20) -> float:
@@ -28,7 +35,32 @@ def _ms_per_call(fn, repeats: int = 20) -> float:
     return start.elapsed_time(stop) / repeats
 
 
-def probe(model, batch: int, compile_model: bool) -> dict:
+def kernel_profile(fn, label: str, repeats: int = 5) -> str:
+    """Per-step GPU kernel counts and time by kind, and the top kernels, over `repeats` calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.count / repeats, e.self_device_time_total / repeats) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    by_kind = {}
+    for name, count, us in kernels:
+        kind = next((k for k, marks in KINDS if any(m in name for m in marks)), "other")
+        total = by_kind.setdefault(kind, [0.0, 0.0])
+        total[0] += count
+        total[1] += us
+    lines = [f"## {label}: {sum(c for _, c, _ in kernels):.0f} kernels, {sum(u for *_, u in kernels):.0f} us GPU "
+             "time per step"]
+    lines += [f"  {kind:10s} {count:7.0f} kernels {us:9.1f} us" for kind, (count, us) in sorted(by_kind.items())]
+    lines += [f"    {us:9.1f} us {count:6.1f}x  {name[:110]}" for name, count, us in
+              sorted(kernels, key=lambda k: -k[2])[:25]]
+    return "\n".join(lines) + "\n"
+
+
+def probe(model, batch: int, compile_model: bool, profile_to=None, label: str = "") -> dict:
     """Fill the static buffers with `batch` rows at context CONTEXT and time eager step vs replay."""
     driver = SyncCBDriver(model, CBConfig(max_batch_size=batch, max_batch_tokens=8192, compile=compile_model))
     driver.generate([[1] * (CONTEXT - 4)] * batch, SamplingParams(max_new_tokens=4))   # cache + capture
@@ -41,6 +73,14 @@ def probe(model, batch: int, compile_model: bool) -> dict:
         graphs.slots[:batch] = graphs.tables[:batch, (CONTEXT - 1) // 16].long() * 16 + (CONTEXT - 1) % 16
         eager = _ms_per_call(lambda: graphs.step(batch, GREEDY), repeats=5)
         replay = _ms_per_call(graphs.graphs[(batch, GREEDY)].replay)
+        if profile_to is not None:
+            with open(profile_to, "a") as log:
+                for name, fn in (("graph replay", graphs.graphs[(batch, GREEDY)].replay),
+                                 ("uncaptured step", lambda: graphs.step(batch, GREEDY))):
+                    try:
+                        log.write(kernel_profile(fn, f"{label} {name}"))
+                    except Exception as error:      # a profiler problem must not end the probe
+                        log.write(f"## {label} {name}: profile failed: {error!r}\n")
     driver.release()
     return {"eager_ms": round(eager, 2), "graph_ms": round(replay, 2)}
 
@@ -49,17 +89,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--profile", default=None, help="append kernel profiles to this file")
     parser.add_argument("--name", default="decode_graphs")
     args = parser.parse_args(argv)
     model = build_model(lora=True)
     rows = []
     for batch in args.batches:
         for lora in (True, False):
+            label = f"batch {batch}, LoRA {'on' if lora else 'off'}, compile {'on' if args.compile else 'off'}"
             if lora:
-                times = probe(model, batch, args.compile)
+                times = probe(model, batch, args.compile, args.profile, label)
             else:
                 with model.disable_adapter():
-                    times = probe(model, batch, args.compile)
+                    times = probe(model, batch, args.compile, args.profile, label)
             floor_ms = 1e3 * floor_seconds_per_step(batch, CONTEXT, lora)
             rows.append({"engine": "cb_sync", "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
                          "context": CONTEXT, "compile": args.compile, **times, "floor_ms": round(floor_ms, 2),

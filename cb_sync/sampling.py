@@ -81,7 +81,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes);
     greedy rows use temperature 1.
     """
-    scaled = logits.float() / batch.temperature[:, None]
+    scaled = logits.float() / batch.temperature[:, None] if batch.any_sample else logits.float()
     tokens = scaled.argmax(dim=-1)
     if batch.any_sample:
         sampled = _sample_filtered(scaled, batch) if batch.any_filter else _gumbel_argmax(scaled, batch, None)

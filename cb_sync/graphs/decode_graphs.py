@@ -4,6 +4,7 @@ all in one memory pool, re-captured whenever what they recorded (weights, adapte
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -59,6 +60,7 @@ class DecodeGraphs:
         self.pool = None
         self.width = 0
         self.fingerprint = None
+        self.warmup_seconds = 0.0               # uncaptured first runs per bucket: compile, autotune, lazy init
         self.capture_seconds = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -120,8 +122,6 @@ class DecodeGraphs:
 
     def _capture_all(self, mode: int) -> None:
         """Capture every bucket for this sampling mode, largest first, into the shared pool."""
-        import time
-        start = time.perf_counter()
         self.slots.fill_(-1)
         self.seq_lens.zero_()
         if self.cache.device.type != "cuda":       # no capture off CUDA: replay runs the step itself
@@ -130,13 +130,17 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
+            start = time.perf_counter()
             self.step(bucket, mode)                 # warm-up: compile, autotune, lazy init
+            torch.cuda.synchronize()
+            self.warmup_seconds += time.perf_counter() - start
+            start = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.step(bucket, mode)
             self.graphs[(bucket, mode)] = graph
-        torch.cuda.synchronize()
-        self.capture_seconds += time.perf_counter() - start
+            torch.cuda.synchronize()
+            self.capture_seconds += time.perf_counter() - start
 
     def run(self, requests) -> tuple[list[int], list[float]]:
         """Fill the static buffers for these decoding requests, replay the bucket's graph, read the tokens."""
@@ -161,8 +165,9 @@ class DecodeGraphs:
                                      non_blocking=True)
         self.tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
         self.tables[n:bucket].zero_()             # padded rows: no stale block ids from an earlier, larger cache
-        for name, (values, dtype) in sampling_columns(requests).items():
-            getattr(self.sampling, name)[:n].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
+        if mode != GREEDY:                          # a greedy graph reads no sampling column
+            for name, (values, dtype) in sampling_columns(requests).items():
+                getattr(self.sampling, name)[:n].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
         self.graphs[(bucket, mode)].replay()
         host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double()]).tolist()
         return [int(t) for t in host[0]], host[1]
