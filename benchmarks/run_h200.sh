@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 stage=${1:-tests}; shift || true
 case "$stage" in
   tests)
-    timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_lora_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
   throughput)
     timeout 550 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/throughput.log"
     cp benchmarks/results/*.json benchmarks/results/*.md "$OUT/" 2>/dev/null ;;

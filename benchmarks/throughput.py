@@ -1,12 +1,16 @@
 """Workload T: 128-token random prompts, 256 new tokens, greedy, batch 4/32/128, Qwen3-4B shape (+ LoRA r32).
 
 cb_sync and its peers run in one process on the same card; the table gives ratios from this run only.
-    python -m benchmarks.throughput [--batches 4 32 128] [--peers cb generate] [--compile]
+    python -m benchmarks.throughput [--batches 4 32 128] [--engines cb_sync cb_sync_compiled hf_generate ...]
+
+Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's LoRA forward), cb_sync_compiled
+(+ torch.compile; run after the others so that one compile serves every batch), hf_generate, transformers_cb.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -23,10 +27,10 @@ def _timed(fn):
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
 
 
-def run_cb_sync(model, prompts, new_tokens, compile_model):
+def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True):
     from cb_sync import CBConfig, SamplingParams, SyncCBDriver
     driver = SyncCBDriver(model, CBConfig(max_batch_size=max(len(prompts), 1), max_batch_tokens=2048,
-                                          compile=compile_model))
+                                          compile=compile_model, lora_kernels=lora_kernels))
     params = SamplingParams(max_new_tokens=new_tokens)
     warmup, _ = _timed(lambda: driver.generate(prompts, params))
     seconds, peak = _timed(lambda: driver.generate(prompts, params))
@@ -62,46 +66,55 @@ def run_transformers_cb(model, prompts, new_tokens, compile_model):
     return seconds, peak, {}
 
 
-ENGINES = {"cb_sync": run_cb_sync, "hf_generate": run_hf_generate, "transformers_cb": run_transformers_cb}
+ENGINES = {
+    "cb_sync": run_cb_sync,                                                   # graphs + Triton LoRA kernel
+    "cb_sync_peft_lora": lambda *a: run_cb_sync(*a, lora_kernels=False),      # graphs, PEFT's LoRA forward
+    "cb_sync_compiled": lambda *a: run_cb_sync(*a, compile_model=True),       # + torch.compile
+    "hf_generate": run_hf_generate,
+    "transformers_cb": run_transformers_cb,
+}
+PEERS = ("hf_generate", "transformers_cb")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", default=["cb_sync", *PEERS], choices=list(ENGINES))
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="torch.compile cb_sync's decode step")
-    parser.add_argument("--no-lora-row", action="store_true", help="skip cb_sync without LoRA")
+    parser.add_argument("--no-lora-engines", nargs="*", default=["cb_sync"], choices=list(ENGINES),
+                        help="engines that also run with the adapter disabled")
     parser.add_argument("--name", default="throughput")
     args = parser.parse_args(argv)
 
     model = build_model(lora=True)
     gen = torch.Generator().manual_seed(0)
+    prompts = {batch: torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+               for batch in args.batches}
+    jobs = []
+    for compiled in (False, True):      # compiled engines last: their one compile serves every batch size
+        for batch in args.batches:
+            for engine in args.engines:
+                if engine.endswith("_compiled") == compiled:
+                    jobs.append((engine, batch, True))
+                    if engine in args.no_lora_engines:
+                        jobs.append((engine, batch, False))
     rows = []
-    for batch in args.batches:
-        prompts = torch.randint(0, 151936, (batch, args.prompt_len), generator=gen).tolist()
-        jobs = [(engine, True) for engine in args.engines]
-        if "cb_sync" in args.engines and not args.no_lora_row:
-            jobs.append(("cb_sync", False))
-        for engine, lora in jobs:
-            try:
-                if lora:
-                    seconds, peak, extra = ENGINES[engine](model, prompts, args.new_tokens, args.compile)
-                else:
-                    with model.disable_adapter():
-                        seconds, peak, extra = ENGINES[engine](model, prompts, args.new_tokens, args.compile)
-            except Exception as error:                   # a peer that fails is reported, not fatal
-                print(f"{engine} batch {batch} failed: {error!r}", flush=True)
-                continue
-            tok_s = batch * args.new_tokens / seconds
-            floor = args.new_tokens * floor_seconds_per_step(batch, args.prompt_len + args.new_tokens // 2, lora)
-            rows.append({"engine": engine, "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
-                         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                         "tok_per_s": round(tok_s, 1), "seconds": round(seconds, 2), "peak_gib": round(peak, 2),
-                         "pct_of_floor": round(100 * floor / seconds, 1), "compile": args.compile and engine == "cb_sync", **extra})
-            print(rows[-1], flush=True)
-    write_results(args.name, rows, _table(rows))
+    for engine, batch, lora in jobs:
+        try:
+            with contextlib.nullcontext() if lora else model.disable_adapter():
+                seconds, peak, extra = ENGINES[engine](model, prompts[batch], args.new_tokens)
+        except Exception as error:                   # a peer that fails is reported, not fatal
+            print(f"{engine} batch {batch} failed: {error!r}", flush=True)
+            continue
+        tok_s = batch * args.new_tokens / seconds
+        floor = args.new_tokens * floor_seconds_per_step(batch, args.prompt_len + args.new_tokens // 2, lora)
+        rows.append({"engine": engine, "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
+                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "tok_per_s": round(tok_s, 1), "seconds": round(seconds, 2), "peak_gib": round(peak, 2),
+                     "pct_of_floor": round(100 * floor / seconds, 1), **extra})
+        print(rows[-1], flush=True)
+        write_results(args.name, rows, _table(rows))   # after every row: a run cut short keeps what it measured
     print(_table(rows))
 
 
@@ -110,11 +123,12 @@ def _table(rows):
     for row in rows:
         ratios = []
         for peer in rows:
-            if peer["batch"] == row["batch"] and peer["engine"] != "cb_sync" and row["engine"] == "cb_sync":
+            if peer["batch"] == row["batch"] and peer["engine"] in PEERS and row["engine"] not in PEERS:
                 ratios.append(f"{row['tok_per_s'] / peer['tok_per_s']:.1f}x {peer['engine']}")
         out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"], row["peak_gib"],
-                    f"{row['pct_of_floor']}%", ", ".join(ratios) or "-"])
-    return markdown_table(["engine", "LoRA", "batch", "tok/s", "peak GiB", "of floor", "cb_sync vs peer"], out)
+                    f"{row['pct_of_floor']}%", row.get("first_call_s", "-"), ", ".join(ratios) or "-"])
+    return markdown_table(["engine", "LoRA", "batch", "tok/s", "peak GiB", "of floor", "first call s",
+                           "vs peer (same run)"], out)
 
 
 if __name__ == "__main__":

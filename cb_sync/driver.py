@@ -12,6 +12,7 @@ from .attention import sdpa_paged, select_backend
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
 from .graphs.decode_graphs import DecodeGraphs
+from .lora import lora_kernels
 from .model_state import base_model, check_supported, generation_mode
 from .request import GenerationResult, Request
 from .runner import ModelRunner
@@ -73,9 +74,10 @@ class SyncCBDriver:
             [r.max_tokens for r in requests], self.config.block_size, self.cache.bytes_per_block,
             self.config.max_cache_gib)
         show = self.config.progress_bar if progress_bar is None else progress_bar
-        with generation_mode(self.model), tqdm(total=sum(r.params.max_new_tokens for r in requests),
-                                               disable=not (sys.stderr.isatty() if show is None else show),
-                                               unit="tok", desc="cb_sync") as bar:
+        use_lora_kernels = self.config.lora_kernels and self.backend is not sdpa_paged
+        with generation_mode(self.model), lora_kernels(self.model, use_lora_kernels), tqdm(
+                total=sum(r.params.max_new_tokens for r in requests), unit="tok", desc="cb_sync",
+                disable=not (sys.stderr.isatty() if show is None else show)) as bar:
             self.cache.ensure(num_blocks)
             if self.graphs is not None:
                 self.graphs.begin_call(max(blocks_for(r.max_tokens, self.config.block_size) for r in requests))

@@ -18,3 +18,13 @@ def test_triton_backend_matches_hf_greedy(arch):
     driver = SyncCBDriver(model, CBConfig(attn_backend="triton", block_size=8, max_batch_tokens=16))
     results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+def test_triton_backend_with_lora_kernels_matches_hf_greedy():
+    """PEFT LoRA layers run the Triton LoRA kernel in decode steps; tokens stay HF's."""
+    model = make_model("llama", lora=True)
+    prompts = random_prompts([7, 21])
+    driver = SyncCBDriver(model, CBConfig(attn_backend="triton", block_size=8, max_batch_tokens=16))
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 5) for p in prompts]
+    assert not any("forward" in m.__dict__ for m in model.modules())

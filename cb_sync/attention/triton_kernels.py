@@ -6,12 +6,15 @@ launch grids depend only on tensor shapes, never on values, so a decode step can
 graph and replayed with new seq_lens / block_tables. No function here synchronises with the host.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-PARTITION_SIZE = 256   # smallest split-K partition of the decode path, in tokens (a multiple of BLOCK_N)
+PARTITION_SIZE = 64    # smallest split-K partition of the decode path, in tokens (a multiple of BLOCK_N)
 MAX_PARTITIONS = 32    # partitions grow past PARTITION_SIZE so that a context never has more than this many
+DECODE_PROGRAMS_PER_SM = 4   # split-K aims at this many (partition, request, kv head) programs per SM
 DECODE_BLOCK_N = 64    # keys per tile in the decode path
 PREFILL_BLOCK_M = 64   # rows (queries x heads in group) per prefill program
 PREFILL_BLOCK_N = 64   # keys per tile in the prefill path
@@ -247,12 +250,24 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def decode_partition(max_context: int, num_programs: int, device: torch.device) -> int:
+    """Tokens per split-K partition: few requests split their context finely enough to fill the GPU, many
+    requests keep whole contexts (fewer partials to write and reduce). Depends on shapes only."""
+    wanted = min(MAX_PARTITIONS, max(1, triton.cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), num_programs)))
+    return max(PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, wanted)))
+
+
 def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, common):
     """Split-K decode: partial attention per (partition, request, kv head), then a reduce per (request, head)."""
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1:]
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    partition = max(PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, MAX_PARTITIONS)))
+    partition = decode_partition(max_context, num_reqs * k_cache.shape[2], query.device)
     num_partitions = triton.cdiv(max_context, partition)
     m = query.new_empty((num_reqs, num_heads, num_partitions), dtype=torch.float32)
     l = torch.empty_like(m)

@@ -1,0 +1,5 @@
+"""LoRA at decode speed: a Triton kernel for PEFT LoRA Linear layers, swapped in while cb_sync generates."""
+
+from .fast_forward import lora_kernels
+
+__all__ = ["lora_kernels"]
