@@ -68,7 +68,7 @@ def probe(model, batch: int, compile_model: bool, profile_to=None, label: str = 
     with generation_mode(model):
         rows = torch.arange(batch, device="cuda")
         graphs.tables[:batch, :per_row] = (rows[:, None] * per_row + torch.arange(per_row, device="cuda")).int()
-        graphs.positions[0, :batch] = CONTEXT - 1
+        graphs.positions[:batch] = CONTEXT - 1
         graphs.seq_lens[:batch] = CONTEXT
         graphs.slots[:batch] = graphs.tables[:batch, (CONTEXT - 1) // 16].long() * 16 + (CONTEXT - 1) % 16
         eager = _ms_per_call(lambda: graphs.step(batch, GREEDY), repeats=5)

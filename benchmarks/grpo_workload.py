@@ -39,7 +39,10 @@ def _digits(n: int) -> str:
 
 
 def make_dataset(n: int = 64, shots: int = 6, seed: int = 0):
+    """n synthetic sum prompts with `shots` worked examples each. The fingerprint is given, not hashed: hashing
+    the table pickles pyarrow types, which fails with some pyarrow / Python pairs (pyarrow 26, Python 3.12)."""
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     rng = random.Random(seed)
     head = "Solve the sum . Think between <think> and </think> , then answer between <answer> and </answer> ."
     prompts, answers = [], []
@@ -52,7 +55,8 @@ def make_dataset(n: int = 64, shots: int = 6, seed: int = 0):
         parts.append(f"Q : What is {_digits(a)} + {_digits(b)} ? A :")
         prompts.append(" ".join(parts))
         answers.append(_digits(a + b))
-    return Dataset.from_dict({"prompt": prompts, "answer": answers})
+    table = InMemoryTable.from_pydict({"prompt": prompts, "answer": answers})
+    return Dataset(table, fingerprint=f"cb-sync-grpo-sums-{n}-{shots}-{seed}")
 
 
 # -- rewards, in the style of the reference notebook (each carries its range for the gate) ------------------------

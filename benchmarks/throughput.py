@@ -33,15 +33,40 @@ def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=Tr
                                           compile=compile_model, lora_kernels=lora_kernels))
     params = SamplingParams(max_new_tokens=new_tokens)
     warmup, _ = _timed(lambda: driver.generate(prompts, params))
+    steps = _time_steps(driver)
     seconds, peak = _timed(lambda: driver.generate(prompts, params))
     graphs = driver.graphs
     timings = {"first_call_s": round(warmup, 2), "graph_warmup_s": round(graphs.warmup_seconds, 2) if graphs else 0,
-               "capture_s": round(graphs.capture_seconds, 2) if graphs else 0}
+               "capture_s": round(graphs.capture_seconds, 2) if graphs else 0,
+               "replay_steps": len(steps["replay"]), "replay_step_ms": _mean_ms(steps["replay"]),
+               "eager_steps": len(steps["eager"]), "eager_s": round(sum(steps["eager"]), 3),
+               "outside_steps_s": round(seconds - sum(steps["replay"]) - sum(steps["eager"]), 3)}
     driver.release()
     return seconds, peak, timings
 
 
-def run_hf_generate(model, prompts, new_tokens, compile_model):
+def _time_steps(driver) -> dict[str, list[float]]:
+    """Wall time of every runner step of the driver's next calls, split into graph replays and eager steps
+    (each step ends in a host read of its tokens, so wall time is the step's whole time)."""
+    from cb_sync.graphs import is_pure_decode
+    runner, steps = driver.runner, {"replay": [], "eager": []}
+    run_step = runner.step
+
+    def timed(plan):
+        kind = "replay" if runner.graphs is not None and is_pure_decode(plan) else "eager"
+        start = time.perf_counter()
+        out = run_step(plan)
+        steps[kind].append(time.perf_counter() - start)
+        return out
+    runner.step = timed
+    return steps
+
+
+def _mean_ms(values: list[float]):
+    return round(1000 * sum(values) / len(values), 3) if values else None
+
+
+def run_hf_generate(model, prompts, new_tokens):
     ids = torch.tensor(prompts, device="cuda")
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
@@ -50,7 +75,7 @@ def run_hf_generate(model, prompts, new_tokens, compile_model):
     return seconds, peak, {}
 
 
-def run_transformers_cb(model, prompts, new_tokens, compile_model):
+def run_transformers_cb(model, prompts, new_tokens):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)

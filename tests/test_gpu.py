@@ -36,8 +36,8 @@ def test_replay_is_bit_identical_to_uncaptured_step(mode):
     with generation_mode(model):
         gen = torch.Generator(device="cuda").manual_seed(0)
         graphs.input_ids.random_(0, 128, generator=gen)
-        graphs.positions[0, :8] = torch.arange(8, device="cuda") + 10
-        graphs.seq_lens[:8] = graphs.positions[0, :8].int() + 1
+        graphs.positions[:8] = torch.arange(8, device="cuda") + 10
+        graphs.seq_lens[:8] = graphs.positions[:8].int() + 1
         graphs.tables[:8] = torch.arange(8 * graphs.width, device="cuda").view(8, -1).int() % driver.cache.num_blocks
         graphs.slots[:8] = -1                     # keep the cache as is: both runs read the same K/V
         graphs.sampling.do_sample[:8] = mode != GREEDY

@@ -84,8 +84,8 @@ class DecodeGraphs:
 
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
-        self.input_ids = torch.zeros(1, n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(1, n, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
@@ -103,11 +103,13 @@ class DecodeGraphs:
 
     def step(self, bucket: int, mode: int) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
-        rows = [self.input_ids[:, :bucket], self.positions[:, :bucket], self.slots[:bucket], self.tables[:bucket],
-                self.seq_lens[:bucket], self.query_start[:bucket + 1]]
-        if self.compiled:                           # one compile serves every bucket
+        rows = [self.input_ids[:bucket].unsqueeze(0), self.positions[:bucket].unsqueeze(0), self.slots[:bucket],
+                self.tables[:bucket], self.seq_lens[:bucket], self.query_start[:bucket + 1]]
+        if self.compiled:                           # one compile serves every bucket and every cache size
             for t, batch_dim in zip(rows, (1, 1, 0, 0, 0, 0)):
                 torch._dynamo.mark_dynamic(t, batch_dim)
+            for cache in (*self.cache.k_caches, *self.cache.v_caches):
+                torch._dynamo.mark_dynamic(cache, 0)
         input_ids, positions, slots, tables, seq_lens, query_start = rows
         meta = AttnMetadata(slots, tables, seq_lens, query_start, 1, self.width * self.cache.block_size,
                             self.cache.k_caches, self.cache.v_caches, self.backend)
@@ -158,8 +160,8 @@ class DecodeGraphs:
             slots.append(r.blocks[p // block_size] * block_size + p % block_size)
             tables.append(r.blocks + [0] * (self.width - len(r.blocks)))
         pad = bucket - n
-        self.input_ids[0, :bucket].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        self.positions[0, :bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.input_ids[:bucket].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.slots[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
         self.seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32),
                                      non_blocking=True)
