@@ -1,6 +1,6 @@
 """Decode-step probe: milliseconds per pure-decode step per bucket, eager vs graph replay (vs compiled graph),
 with and without LoRA, and % of the bandwidth floor. Every row of the batch has a 384-token context.
-    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--profile FILE]
+    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--peft-lora] [--profile FILE]
 
 --profile appends, per probe, the GPU kernels of five graph replays grouped by kind (GEMM, Triton, attention,
 copies, other: count and microseconds per step) and the top kernels by GPU time.
@@ -9,12 +9,14 @@ copies, other: count and microseconds per step) and the top kernels by GPU time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
 from benchmarks.common import build_model, floor_seconds_per_step, markdown_table, write_results
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.graphs.decode_graphs import GREEDY
+from cb_sync.lora import lora_kernels as lora_kernels_for
 from cb_sync.model_state import generation_mode
 
 CONTEXT = 384
@@ -60,12 +62,13 @@ def kernel_profile(fn, label: str, repeats: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
-def probe(model, batch: int, compile_model: bool, profile_to=None, label: str = "") -> dict:
+def probe(model, batch: int, compile_model: bool, lora_kernels: bool = True, profile_to=None, label: str = "") -> dict:
     """Fill the static buffers with `batch` rows at context CONTEXT and time eager step vs replay."""
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=batch, max_batch_tokens=8192, compile=compile_model))
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=batch, max_batch_tokens=8192, compile=compile_model,
+                                          lora_kernels=lora_kernels))
     driver.generate([[1] * (CONTEXT - 4)] * batch, SamplingParams(max_new_tokens=4))   # cache + capture
     graphs, per_row = driver.graphs, -(-CONTEXT // driver.cache.block_size)
-    with generation_mode(model):
+    with generation_mode(model), lora_kernels_for(model, lora_kernels):
         rows = torch.arange(batch, device="cuda")
         graphs.tables[:batch, :per_row] = (rows[:, None] * per_row + torch.arange(per_row, device="cuda")).int()
         graphs.positions[:batch] = CONTEXT - 1
@@ -89,6 +92,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--peft-lora", action="store_true", help="PEFT's LoRA forward instead of the LoRA kernel")
     parser.add_argument("--profile", default=None, help="append kernel profiles to this file")
     parser.add_argument("--name", default="decode_graphs")
     args = parser.parse_args(argv)
@@ -96,14 +100,13 @@ def main(argv=None):
     rows = []
     for batch in args.batches:
         for lora in (True, False):
-            label = f"batch {batch}, LoRA {'on' if lora else 'off'}, compile {'on' if args.compile else 'off'}"
-            if lora:
-                times = probe(model, batch, args.compile, args.profile, label)
-            else:
-                with model.disable_adapter():
-                    times = probe(model, batch, args.compile, args.profile, label)
+            label = (f"batch {batch}, LoRA {'off' if not lora else 'PEFT' if args.peft_lora else 'kernel'}, "
+                     f"compile {'on' if args.compile else 'off'}")
+            with contextlib.nullcontext() if lora else model.disable_adapter():
+                times = probe(model, batch, args.compile, not args.peft_lora, args.profile, label)
             floor_ms = 1e3 * floor_seconds_per_step(batch, CONTEXT, lora)
             rows.append({"engine": "cb_sync", "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
+                         "lora_path": ("peft" if args.peft_lora else "kernel") if lora else None,
                          "context": CONTEXT, "compile": args.compile, **times, "floor_ms": round(floor_ms, 2),
                          "graph_pct_of_floor": round(100 * floor_ms / times["graph_ms"], 1)})
             print(rows[-1], flush=True)

@@ -4,6 +4,7 @@
 #   bash benchmarks/run_h200.sh throughput [ARGS]             Workload T vs HF generate and transformers CB
 #   bash benchmarks/run_h200.sh decode [ARGS]                 decode-step probe per bucket, eager vs graph
 #   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs trl/datasets wheels in .whl/
+#     (the image's own pyarrow is used: a carried pyarrow wheel is left out)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
@@ -19,7 +20,9 @@ case "$stage" in
     timeout 550 python -m benchmarks.decode_graphs "$@" 2>&1 | tee "$OUT/decode_graphs.log"
     cp benchmarks/results/decode_graphs.* "$OUT/" 2>/dev/null ;;
   grpo)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+    rm -rf /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      $(ls .whl/*.whl | grep -v pyarrow) || exit
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     timeout -s INT -k 15 550 python -m benchmarks.grpo --out "$OUT" "$@" 2>&1 | tee "$OUT/grpo.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
