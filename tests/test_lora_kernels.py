@@ -119,3 +119,19 @@ def test_kernel_matches_peft_at_4b_sizes_bf16_model_fp32_adapter(rows, in_featur
     ulp = expected.float().abs().clamp(min=1e-3) * 2 ** -7
     assert (diff <= ulp).all()
     assert (diff > 0).float().mean() < 0.02
+
+
+def test_dora_keeps_peft_forward(spy):
+    """A DoRA adapter (a PEFT LoRA variant) is not what the kernel computes: PEFT's forward runs."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(32, 16)),
+                                peft.LoraConfig(r=4, target_modules=["0"], use_dora=True, init_lora_weights=False))
+    model = model.to(DEVICE).eval()
+    layer = model.base_model.model[0]
+    x = torch.randn(2, 32, device=DEVICE)
+    with torch.no_grad():
+        expected = layer(x)
+        with lora_kernels(model):
+            got = layer(x)
+    assert spy == []
+    torch.testing.assert_close(got, expected)

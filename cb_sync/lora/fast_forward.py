@@ -33,7 +33,8 @@ def _kernel_adapters(module, x: torch.Tensor):
             continue
         lora_a, lora_b = module.lora_A[name], module.lora_B[name]
         dropout_active = module.training and not isinstance(module.lora_dropout[name], torch.nn.Identity)
-        if (name in module.lora_variant or dropout_active or lora_b.bias is not None
+        variant = name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False)
+        if (variant or dropout_active or getattr(lora_b, "bias", None) is not None
                 or lora_a.weight.dtype != lora_b.weight.dtype):
             return None
         adapters.append((lora_a.weight, lora_b.weight, module.scaling[name]))
