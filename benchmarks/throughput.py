@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 
 import torch
 
-from benchmarks.common import build_model, floor_seconds_per_step, markdown_table, write_results
+from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, markdown_table, write_results
 
 
 def _timed(fn):
@@ -110,7 +111,11 @@ def main(argv=None):
     parser.add_argument("--no-lora-engines", nargs="*", default=["cb_sync"], choices=list(ENGINES),
                         help="engines that also run with the adapter disabled")
     parser.add_argument("--name", default="throughput")
+    parser.add_argument("--replot", action="store_true", help="only redraw results/<name>.png from its JSON")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads((RESULTS / f"{args.name}.json").read_text()), RESULTS / f"{args.name}.png")
+        return
 
     model = build_model(lora=True)
     gen = torch.Generator().manual_seed(0)
@@ -140,7 +145,35 @@ def main(argv=None):
                      "pct_of_floor": round(100 * floor / seconds, 1), **extra})
         print(rows[-1], flush=True)
         write_results(args.name, rows, _table(rows))   # after every row: a run cut short keeps what it measured
+    plot(rows, RESULTS / f"{args.name}.png")
     print(_table(rows))
+
+
+def plot(rows: list[dict], path) -> None:
+    """Tokens per second per engine (with / without LoRA) and batch size, log scale; skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    batches = sorted({r["batch"] for r in rows})
+    series = sorted({(r["engine"], r["lora"]) for r in rows}, key=lambda s: (s[0] in PEERS, s[0], not s[1]))
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, (engine, lora) in enumerate(series):
+        values = {r["batch"]: r["tok_per_s"] for r in rows if (r["engine"], r["lora"]) == (engine, lora)}
+        xs = [b for b, _ in enumerate(batches) if batches[b] in values]
+        ax.bar([x + i * width for x in xs], [values[batches[x]] for x in xs], width,
+               label=f"{engine} ({'LoRA' if lora else 'no adapter'})")
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("Workload T (Qwen3-4B shape, 128-token prompts, 256 new tokens), one run")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _table(rows):
