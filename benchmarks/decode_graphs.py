@@ -21,6 +21,7 @@ from cb_sync.model_state import generation_mode
 
 CONTEXT = 384
 KINDS = (("attention", ("_decode_", "_prefill_kernel", "_store_kv")),
+         ("lora", ("_shrink_kernel", "_expand_kernel")),
          ("gemm", ("gemm", "nvjet", "cutlass", "sm90_", "gemv")),
          ("triton", ("triton_",)),
          ("copy", ("memcpy", "memset", "copy", "Memcpy", "Memset")))

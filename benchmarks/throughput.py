@@ -111,10 +111,13 @@ def main(argv=None):
     parser.add_argument("--no-lora-engines", nargs="*", default=["cb_sync"], choices=list(ENGINES),
                         help="engines that also run with the adapter disabled")
     parser.add_argument("--name", default="throughput")
-    parser.add_argument("--replot", action="store_true", help="only redraw results/<name>.png from its JSON")
+    parser.add_argument("--from-json", action="store_true",
+                        help="measure nothing: redraw results/<name>.md and .png from results/<name>.json")
     args = parser.parse_args(argv)
-    if args.replot:
-        plot(json.loads((RESULTS / f"{args.name}.json").read_text()), RESULTS / f"{args.name}.png")
+    if args.from_json:
+        rows = json.loads((RESULTS / f"{args.name}.json").read_text())
+        (RESULTS / f"{args.name}.md").write_text(_table(rows))
+        plot(rows, RESULTS / f"{args.name}.png")
         return
 
     model = build_model(lora=True)
@@ -181,7 +184,8 @@ def _table(rows):
     for row in rows:
         ratios = []
         for peer in rows:
-            if peer["batch"] == row["batch"] and peer["engine"] in PEERS and row["engine"] not in PEERS:
+            if (peer["batch"], peer["lora"]) == (row["batch"], row["lora"]) and peer["engine"] in PEERS \
+                    and row["engine"] not in PEERS:
                 ratios.append(f"{row['tok_per_s'] / peer['tok_per_s']:.1f}x {peer['engine']}")
         out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"], row["peak_gib"],
                     f"{row['pct_of_floor']}%", row.get("first_call_s", "-"), ", ".join(ratios) or "-"])

@@ -105,3 +105,17 @@ def test_padded_rows_hold_no_stale_blocks_after_a_smaller_cache():
     prompts = random_prompts([3, 3, 3], seed=5)                 # bucket 4: one padded row
     results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
+
+
+def test_graphs_recaptured_when_the_autocast_state_changes():
+    """A graph records the dtypes autocast chose at capture: a call under another autocast state captures anew."""
+    model = make_model("llama")
+    driver = _driver_with_static_path(model)
+    params = SamplingParams(max_new_tokens=3)
+    driver.generate(random_prompts([6, 6]), params)
+    captured = dict(driver.graphs.graphs)
+    driver.generate(random_prompts([6, 6]), params)
+    assert driver.graphs.graphs == captured
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        driver.generate(random_prompts([6, 6]), params)
+    assert captured and all(driver.graphs.graphs[k] is not captured[k] for k in captured)

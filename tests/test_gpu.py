@@ -7,6 +7,7 @@ import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.graphs.decode_graphs import FILTERED, GREEDY
+from cb_sync.lora import lora_kernels
 from cb_sync.model_state import generation_mode
 
 from conftest import make_model, random_prompts
@@ -33,7 +34,7 @@ def test_replay_is_bit_identical_to_uncaptured_step(mode):
     driver.generate(random_prompts([20] * 8), SamplingParams(max_new_tokens=4, do_sample=mode != GREEDY, top_k=5))
     graphs = driver.graphs
     assert (8, mode) in graphs.graphs
-    with generation_mode(model):
+    with generation_mode(model), lora_kernels(model):      # as inside generate(): same LoRA path both times
         gen = torch.Generator(device="cuda").manual_seed(0)
         graphs.input_ids.random_(0, 128, generator=gen)
         graphs.positions[:8] = torch.arange(8, device="cuda") + 10

@@ -27,6 +27,14 @@ def lora_stack(in_features, out_features, r, dtype=torch.float32, adapter_dtype=
     return model.eval(), model.base_model.model[0]
 
 
+def peft_and_kernel(model, layer, x):
+    """The layer's output from PEFT's forward, then with the kernel swapped in."""
+    with torch.no_grad():
+        expected = layer(x)
+        with lora_kernels(model):
+            return expected, layer(x)
+
+
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
@@ -43,10 +51,7 @@ def spy(monkeypatch):
 def test_kernel_matches_peft_fp32(rows, in_features, out_features, r, spy):
     model, layer = lora_stack(in_features, out_features, r)
     x = torch.randn(1, rows, in_features, device=DEVICE)
-    with torch.no_grad():
-        expected = layer(x)
-        with lora_kernels(model):
-            got = layer(x)
+    expected, got = peft_and_kernel(model, layer, x)
     assert spy == [rows]
     assert got.shape == expected.shape and got.dtype == expected.dtype
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -57,10 +62,7 @@ def test_kernel_rounds_like_peft_with_bf16_adapters():
     whose bf16 conversion does not round to nearest)."""
     model, layer = lora_stack(64, 48, 16, dtype=torch.bfloat16, adapter_dtype=torch.bfloat16)
     x = torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16)
-    with torch.no_grad():
-        expected = layer(x)
-        with lora_kernels(model):
-            got = layer(x)
+    expected, got = peft_and_kernel(model, layer, x)
     tol = 1e-2 if DEVICE == "cuda" else 6e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -95,10 +97,7 @@ def test_partials_are_summed_over_every_k_split(monkeypatch):
     monkeypatch.setattr(kernels, "SHRINK_SPLIT_K", 64)
     model, layer = lora_stack(200, 20, 8)
     x = torch.randn(2, 200, device=DEVICE)
-    with torch.no_grad():
-        expected = layer(x)
-        with lora_kernels(model):
-            got = layer(x)
+    expected, got = peft_and_kernel(model, layer, x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -111,27 +110,63 @@ def test_kernel_matches_peft_at_4b_sizes_bf16_model_fp32_adapter(rows, in_featur
     one bf16 rounding step on a small fraction of the outputs."""
     model, layer = lora_stack(in_features, out_features, 32, dtype=torch.bfloat16)
     x = torch.randn(rows, in_features, device=DEVICE, dtype=torch.bfloat16)
-    with torch.no_grad():
-        expected = layer(x)
-        with lora_kernels(model):
-            got = layer(x)
+    expected, got = peft_and_kernel(model, layer, x)
     diff = (got.float() - expected.float()).abs()
     ulp = expected.float().abs().clamp(min=1e-3) * 2 ** -7
     assert (diff <= ulp).all()
     assert (diff > 0).float().mean() < 0.02
 
 
-def test_dora_keeps_peft_forward(spy):
-    """A DoRA adapter (a PEFT LoRA variant) is not what the kernel computes: PEFT's forward runs."""
+def test_autocast_products_run_in_the_autocast_dtype(spy):
+    """Under autocast PEFT's A and B products run in the autocast dtype: the kernel rounds as they do."""
+    model, layer = lora_stack(96, 40, 8)
+    x = torch.randn(3, 96, device=DEVICE)
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    with torch.autocast(device_type, dtype=torch.float16):
+        expected, got = peft_and_kernel(model, layer, x)
+    assert spy == [3] and got.dtype == expected.dtype == torch.float16
+    diff = (got.float() - expected.float()).abs()
+    assert (diff <= expected.float().abs() * 2 ** -10 + 1e-6).all()     # at most one fp16 rounding step
+    assert (diff > 0).float().mean() < 0.05
+
+
+def _dora():
     torch.manual_seed(0)
     model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(32, 16)),
                                 peft.LoraConfig(r=4, target_modules=["0"], use_dora=True, init_lora_weights=False))
     model = model.to(DEVICE).eval()
-    layer = model.base_model.model[0]
-    x = torch.randn(2, 32, device=DEVICE)
-    with torch.no_grad():
-        expected = layer(x)
-        with lora_kernels(model):
-            got = layer(x)
+    return model, model.base_model.model[0]
+
+
+def _two_active_adapters():
+    model, layer = lora_stack(32, 16, 4)
+    model.add_adapter("second", peft.LoraConfig(r=4, target_modules=["0"], init_lora_weights=False))
+    model.base_model.set_adapter(["default", "second"])
+    return model, layer
+
+
+@pytest.mark.parametrize("build", [_dora, _two_active_adapters], ids=["dora", "two_active_adapters"])
+def test_adapters_the_kernel_does_not_compute_keep_peft_forward(build, spy):
+    """DoRA (a LoRA variant) and several active adapters (PEFT sums them in fp32 before one rounding)."""
+    model, layer = build()
+    expected, got = peft_and_kernel(model, layer, torch.randn(2, 32, device=DEVICE))
     assert spy == []
     torch.testing.assert_close(got, expected)
+
+
+def test_hooks_gradients_and_large_ranks_keep_peft_forward(spy):
+    model, layer = lora_stack(32, 16, 4)
+    x = torch.randn(2, 32, device=DEVICE)
+    calls = []
+    handle = layer.lora_A["default"].register_forward_pre_hook(lambda module, args: calls.append(1))
+    with torch.no_grad(), lora_kernels(model):
+        layer(x)                                       # a hook on lora_A must run: PEFT's forward
+    handle.remove()
+    assert calls == [1] and spy == []
+    with lora_kernels(model):
+        layer(x).sum().backward()                      # gradients wanted: PEFT's forward (the op has no backward)
+    assert spy == [] and layer.lora_B["default"].weight.grad is not None
+    big, big_layer = lora_stack(32, 16, fast_forward.MAX_RANK + 1)
+    with torch.no_grad(), lora_kernels(big):
+        big_layer(x)
+    assert spy == []

@@ -66,9 +66,12 @@ class DecodeGraphs:
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def begin_call(self, max_blocks_per_request: int) -> None:
-        """Drop stale graphs before a call: new weights storage, adapters, cache pools or a wider block table."""
+        """Drop stale graphs before a call: new weights storage, adapters, cache pools, autocast state or a wider
+        block table."""
+        device = self.cache.device.type
         fingerprint = (model_fingerprint(self.model), tuple(t.data_ptr() for t in self.cache.k_caches),
-                       tuple(t.data_ptr() for t in self.cache.v_caches))
+                       tuple(t.data_ptr() for t in self.cache.v_caches),
+                       torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         if max_blocks_per_request > self.width:
             self.width = 1 << (max_blocks_per_request - 1).bit_length()
             self._allocate_buffers()

@@ -4,8 +4,9 @@ PEFT computes `result + lora_B(lora_A(x.to(A.dtype))) * scaling` and casts back 
 fp32 adapters on a bf16 model (PEFT's default upcast) cuBLAS runs that as small fp32 SIMT GEMMs plus split-K
 reductions: ~10 us a projection at decode sizes. Here it is two launches: `shrink` computes x A^T over K
 splits into fp32 partials (no atomics, so runs are bit-reproducible), `expand` sums the partials in a fixed
-order, applies B, the scaling and the add. Intermediates are rounded to the adapter dtype where PEFT's
-modules round them, and sums run in fp32 as cuBLAS's do. Grids depend only on shapes (CUDA-graph safe).
+order, applies B, the scaling and the add. Intermediates are rounded to the compute dtype (the adapter's, or
+autocast's) where PEFT's modules round them, and sums run in fp32 as cuBLAS's do. Grids depend only on
+shapes (CUDA-graph safe).
 """
 
 import torch
@@ -16,11 +17,13 @@ BLOCK_M = 16        # rows per program
 SHRINK_BLOCK_K = 64
 SHRINK_SPLIT_K = 256  # input features per shrink program
 EXPAND_BLOCK_N = 64
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, partial_ptr, M, K, R, stride_xm, stride_xk, stride_ar, stride_ak,
-                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                   COMPUTE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
     """Program (row tile, K split): partial[split, rows, :] = x[rows, split] @ A[:, split]^T in fp32."""
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -33,9 +36,9 @@ def _shrink_kernel(x_ptr, a_ptr, partial_ptr, M, K, R, stride_xm, stride_xk, str
                     mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
         a = tl.load(a_ptr + ranks[None, :] * stride_ar + ks[:, None] * stride_ak,
                     mask=(ranks[None, :] < R) & (ks[:, None] < K), other=0.0)
-        # x is cast to the adapter dtype first, as PEFT's _cast_input_dtype does
-        x = x.to(a_ptr.dtype.element_ty).to(tl.float32)
-        acc += tl.dot(x, a.to(tl.float32), input_precision="ieee")
+        # x and A in the compute dtype (PEFT casts x to the adapter dtype; autocast casts both)
+        x = x.to(COMPUTE).to(tl.float32)
+        acc += tl.dot(x, a.to(COMPUTE).to(tl.float32), input_precision="ieee")
     offs = (split * M + rows[:, None]) * BLOCK_R + ranks[None, :]
     tl.store(partial_ptr + offs, acc, mask=rows[:, None] < M)
 
@@ -43,7 +46,7 @@ def _shrink_kernel(x_ptr, a_ptr, partial_ptr, M, K, R, stride_xm, stride_xk, str
 @triton.jit
 def _expand_kernel(partial_ptr, b_ptr, base_ptr, out_ptr, M, N, R, num_splits, scaling,
                    stride_bn, stride_br, stride_basem, stride_basen, stride_om, stride_on,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """Program (column tile, row tile): out = base + round(round(xa @ B^T) * scaling) over its tile."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -55,13 +58,12 @@ def _expand_kernel(partial_ptr, b_ptr, base_ptr, out_ptr, M, N, R, num_splits, s
     for split in range(num_splits):
         xa += tl.load(partial_ptr + (split * M + rows[:, None]) * BLOCK_R + ranks[None, :],
                       mask=row_ok[:, None], other=0.0)
-    adapter_dtype = b_ptr.dtype.element_ty
-    xa = xa.to(adapter_dtype).to(tl.float32)                       # lora_A's output
+    xa = xa.to(COMPUTE).to(tl.float32)                            # lora_A's output
     b = tl.load(b_ptr + cols[None, :] * stride_bn + ranks[:, None] * stride_br,
                 mask=(cols[None, :] < N) & (ranks[:, None] < R), other=0.0)
-    delta = tl.dot(xa, b.to(tl.float32), input_precision="ieee")
-    delta = delta.to(adapter_dtype).to(tl.float32)                 # lora_B's output
-    delta = (delta * scaling).to(adapter_dtype).to(tl.float32)     # * scaling
+    delta = tl.dot(xa, b.to(COMPUTE).to(tl.float32), input_precision="ieee")
+    delta = delta.to(COMPUTE).to(tl.float32)                       # lora_B's output
+    delta = (delta * scaling).to(COMPUTE).to(tl.float32)           # * scaling
     mask = row_ok[:, None] & (cols[None, :] < N)
     base = tl.load(base_ptr + rows[:, None] * stride_basem + cols[None, :] * stride_basen, mask=mask, other=0.0)
     out = base.to(tl.float32) + delta
@@ -70,9 +72,11 @@ def _expand_kernel(partial_ptr, b_ptr, base_ptr, out_ptr, M, N, R, num_splits, s
 
 
 def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             scaling: float) -> torch.Tensor:
+             scaling: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """base [M, N] + scaling * (x [M, K] @ lora_a [R, K]^T) @ lora_b [N, R]^T as a new [M, N] tensor of
-    base's dtype, with PEFT's intermediate roundings (x to the adapter dtype, each product in it)."""
+    base's dtype, with PEFT's roundings: x, A and B in compute_dtype (default: the adapter's), each product
+    and the scaled delta rounded to it, sums in fp32."""
+    compute = _TL_DTYPES[compute_dtype or lora_a.dtype]
     (m, k), (n, r) = x.shape, lora_b.shape
     out = torch.empty_like(base)
     if m == 0:
@@ -83,8 +87,8 @@ def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     row_tiles = triton.cdiv(m, BLOCK_M)
     _shrink_kernel[(row_tiles, num_splits)](
         x, lora_a, partial, m, k, r, *x.stride(), *lora_a.stride(),
-        SPLIT_K=SHRINK_SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=block_r, num_warps=4)
+        COMPUTE=compute, SPLIT_K=SHRINK_SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=block_r, num_warps=4)
     _expand_kernel[(triton.cdiv(n, EXPAND_BLOCK_N), row_tiles)](
         partial, lora_b, base, out, m, n, r, num_splits, float(scaling), *lora_b.stride(), *base.stride(),
-        *out.stride(), BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r, num_warps=4)
+        *out.stride(), COMPUTE=compute, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r, num_warps=4)
     return out
