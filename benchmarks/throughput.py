@@ -49,12 +49,11 @@ def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=Tr
 def _time_steps(driver) -> dict[str, list[float]]:
     """Wall time of every runner step of the driver's next calls, split into graph replays and eager steps
     (each step ends in a host read of its tokens, so wall time is the step's whole time)."""
-    from cb_sync.graphs import is_pure_decode
     runner, steps = driver.runner, {"replay": [], "eager": []}
     run_step = runner.step
 
     def timed(plan):
-        kind = "replay" if runner.graphs is not None and is_pure_decode(plan) else "eager"
+        kind = "replay" if runner.replays(plan) else "eager"
         start = time.perf_counter()
         out = run_step(plan)
         steps[kind].append(time.perf_counter() - start)

@@ -31,7 +31,7 @@ class ModelRunner:
 
         Pure-decode plans replay a captured graph when graphs are on; everything else runs eagerly.
         """
-        if self.graphs is not None and len(plan) <= self.graphs.max_batch and is_pure_decode(plan):
+        if self.replays(plan):
             requests = [chunk.request for chunk in plan]
             return requests, *self.graphs.run(requests)
         inputs, meta, sample_rows, samplers = self.prepare(plan)
@@ -41,6 +41,10 @@ class ModelRunner:
         tokens, logprobs = sample(logits, sampling_batch(samplers, self.device))
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()
         return samplers, [int(t) for t in host[0]], host[1]
+
+    def replays(self, plan: list[ScheduledChunk]) -> bool:
+        """Whether this plan replays a captured decode graph (pure decode, within the largest bucket)."""
+        return self.graphs is not None and len(plan) <= self.graphs.max_batch and is_pure_decode(plan)
 
     def prepare(self, plan: list[ScheduledChunk]):
         """Flat input_ids/position_ids [1, T], attention metadata, the rows to sample and their requests."""
