@@ -92,13 +92,15 @@ def test_forward_is_restored_also_on_error():
         assert "forward" not in layer.__dict__
 
 
-def test_partials_are_summed_over_every_k_split(monkeypatch):
-    """K spans several shrink programs: each split's partial must reach the sum."""
-    monkeypatch.setattr(kernels, "SHRINK_SPLIT_K", 64)
-    model, layer = lora_stack(200, 20, 8)
-    x = torch.randn(2, 200, device=DEVICE)
-    expected, got = peft_and_kernel(model, layer, x)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("split_k, block_k", [(16, 16), (64, 32), (128, None)])
+def test_partials_are_summed_over_every_k_split(split_k, block_k):
+    """K spans several shrink programs (38 at split 16: more than one block of partials in the expand), each
+    loading its split in one or several blocks: every split's partial must reach the sum."""
+    torch.manual_seed(split_k)
+    x, base = torch.randn(3, 600, device=DEVICE), torch.randn(3, 20, device=DEVICE)
+    lora_a, lora_b = torch.randn(8, 600, device=DEVICE), torch.randn(20, 8, device=DEVICE)
+    got = kernels.lora_add(x, base, lora_a, lora_b, 0.5, split_k=split_k, block_k=block_k)
+    torch.testing.assert_close(got, base + 0.5 * (x @ lora_a.T) @ lora_b.T, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.gpu
