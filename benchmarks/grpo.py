@@ -125,6 +125,7 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
         graphs = getattr(getattr(trainer, "_cb_driver", None), "graphs", None)
         if graphs is not None:
             row["cb_capture_s_total"] = stats.extra["cb_capture_s_total"] = round(graphs.capture_seconds, 2)
+            row["cb_compiled"] = stats.extra["cb_compiled"] = graphs.compiled
         stats.write()
         del trainer, model
 
@@ -141,6 +142,7 @@ def summarize(per_step: list[dict], warmup: int) -> dict:
     lengths = [r["completion_len"] for r in per_step if r.get("completion_len") is not None]
     gaps = [r["logp_gap_max"] for r in per_step if r.get("logp_gap_max") is not None]
     return {"step_ms": round(1000 * statistics.median(r["step_s"] for r in timed), 1),
+            "median_includes_warmup": not per_step[warmup:],
             "gen_ms": round(1000 * statistics.median(r["gen_s"] for r in timed), 1),
             "peak_gib": round(max(peaks), 2) if peaks else None,
             "timed_steps": len(timed),

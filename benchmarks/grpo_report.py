@@ -37,6 +37,8 @@ def summary_table(rows: list[dict]) -> str:
         verdict = (f"reference ({_verdict(r.get('gate_self'))})" if r["engine"] == REFERENCE
                    else _verdict(r.get("gate") or r.get("gate_self")))
         steps = f"{len(r['per_step'])}/{r['steps']}" + (" (time limit)" if r.get("stopped_early") else "")
+        if r.get("median_includes_warmup"):
+            steps += ", medians over warm-up steps only"
         out.append([r["engine"], steps, r["step_ms"], r["gen_ms"], _fmt(r["peak_gib"]), _fmt(r["mean_completion_len"]),
                     verdict, ratio + (f" ({note})" if note else "")])
     return markdown_table(["backend", "steps", "median step ms", "median rollout ms", "peak GiB", "completion len",
@@ -120,6 +122,8 @@ def report(args, rows: list[dict], prompt_len: int) -> str:
     for r in rows:
         if r.get("per_step"):
             extra = f", decode-graph capture {r['cb_capture_s_total']} s in all" if "cb_capture_s_total" in r else ""
+            if r.get("cb_compiled") is False and args.cb_compile:
+                extra += "; the decode step's compile failed and it ran uncompiled"
             text += [f"## {r['engine']} per step (model and trainer built in {r.get('build_s', '-')} s{extra})", "",
                      step_table(r["per_step"])]
     text += notes(args, rows)

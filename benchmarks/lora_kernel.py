@@ -1,8 +1,9 @@
 """LoRA micro-benchmark: microseconds per projection for PEFT's forward and for cb_sync's Triton LoRA kernel,
 at the Qwen3-4B projection shapes (bf16 base, fp32 adapter r32 as PEFT makes it), timed as CUDA-graph replays
 so that launch latency counts as it does in a captured decode step. The kernel is also timed alone at each
-shrink tile (input features per program / per load) of `--tiles`, to choose `kernels.SHRINK_SPLIT_K`.
-    python -m benchmarks.lora_kernel [--rows 1 4 32 128] [--tiles 256/64 64 128 256]
+shrink tile (input features per program / per load) of `--tiles`. Operands here stay in L2 across the
+repeats, unlike in a decode step: choose tiles by the decode step's time (benchmarks/NOTES.md, attempt 6).
+    python -m benchmarks.lora_kernel [--rows 1 4 32 128] [--tiles 256/64 64/64 128/128 256/256]
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def _us_per_call(fn, repeats: int = 50) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 128])
-    parser.add_argument("--tiles", nargs="+", default=["256/64", "64", "128", "256"],
-                        help="shrink tiles: SPLIT or SPLIT/BLOCK (input features per program / per load)")
+    parser.add_argument("--tiles", nargs="+", default=["256/64", "64/64", "128/128", "256/256"],
+                        help="shrink tiles: SPLIT/BLOCK (input features per program / per load)")
     parser.add_argument("--name", default="lora_kernel")
     args = parser.parse_args(argv)
     tiles = {tile: [int(v) for v in tile.split("/")] for tile in args.tiles}

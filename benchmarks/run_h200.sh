@@ -15,7 +15,7 @@ case "$stage" in
     timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_lora_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
   throughput)
     timeout 550 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/throughput.log"
-    cp benchmarks/results/*.json benchmarks/results/*.md "$OUT/" 2>/dev/null ;;
+    cp benchmarks/results/throughput*.json benchmarks/results/throughput*.md "$OUT/" 2>/dev/null ;;
   decode)
     timeout 550 python -m benchmarks.decode_graphs "$@" 2>&1 | tee "$OUT/decode_graphs.log"
     cp benchmarks/results/decode_graphs.* "$OUT/" 2>/dev/null ;;

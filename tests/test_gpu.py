@@ -123,3 +123,19 @@ def test_4b_shape_logprobs_agree_with_teacher_forced_hf():
     print(f"4B logprob |delta|: mean {delta.mean():.5f} max {delta.max():.5f}; "
           f"tokens > 0.05 below HF argmax: {off_argmax}/{delta.numel()}")
     assert delta.mean() <= 0.01
+
+
+def test_compiled_step_with_a_hooked_embedding_layer():
+    """TRL's GRPO trainer calls `enable_input_require_grads` (a forward hook calling `requires_grad_`, which
+    breaks a compiled graph): the embedding lookup stays outside the compiled step, so the step still compiles
+    once for every bucket and decodes as HF does."""
+    model = _cuda_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.train()
+    prompts = random_prompts([5, 9, 14, 30])
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=4, compile=True))
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert driver.graphs.graphs
+    model.eval()
+    assert [r.token_ids for r in results] == [_hf_greedy_cuda(model, p, 8) for p in prompts]

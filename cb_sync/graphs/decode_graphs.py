@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from ..attention import AttnMetadata
+from ..model_state import base_model
 from ..sampling import SamplingBatch, sample, sampling_columns
 from .buckets import bucket_for, decode_buckets
 
@@ -33,9 +37,11 @@ def model_fingerprint(model: torch.nn.Module) -> tuple:
     return params, adapters
 
 
-def model_logits(model, input_ids, positions, meta):
-    """Logits of every row: the part of the decode step that torch.compile may take."""
-    return model(input_ids=input_ids, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
+def model_logits(model, inputs_embeds, positions, meta):
+    """Logits of every row: the part of the decode step that torch.compile may take. It starts from the
+    embeddings, looked up outside: hooks on the embedding layer (PEFT's and TRL's `enable_input_require_grads`
+    calls `requires_grad_`) would break the compiled graph."""
+    return model(inputs_embeds=inputs_embeds, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
 
 
 @functools.cache
@@ -106,17 +112,18 @@ class DecodeGraphs:
 
     def step(self, bucket: int, mode: int) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
-        rows = [self.input_ids[:bucket].unsqueeze(0), self.positions[:bucket].unsqueeze(0), self.slots[:bucket],
-                self.tables[:bucket], self.seq_lens[:bucket], self.query_start[:bucket + 1]]
+        embeddings = base_model(self.model).get_input_embeddings()
+        rows = [embeddings(self.input_ids[:bucket].unsqueeze(0)), self.positions[:bucket].unsqueeze(0),
+                self.slots[:bucket], self.tables[:bucket], self.seq_lens[:bucket], self.query_start[:bucket + 1]]
         if self.compiled:                           # one compile serves every bucket and every cache size
             for t, batch_dim in zip(rows, (1, 1, 0, 0, 0, 0)):
                 torch._dynamo.mark_dynamic(t, batch_dim)
             for cache in (*self.cache.k_caches, *self.cache.v_caches):
                 torch._dynamo.mark_dynamic(cache, 0)
-        input_ids, positions, slots, tables, seq_lens, query_start = rows
+        inputs_embeds, positions, slots, tables, seq_lens, query_start = rows
         meta = AttnMetadata(slots, tables, seq_lens, query_start, 1, self.width * self.cache.block_size,
                             self.cache.k_caches, self.cache.v_caches, self.backend)
-        logits = self.forward(self.model, input_ids, positions, meta)
+        logits = self.forward(self.model, inputs_embeds, positions, meta)
         s = self.sampling
         params = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
                                s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
@@ -136,7 +143,7 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             start = time.perf_counter()
-            self.step(bucket, mode)                 # warm-up: compile, autotune, lazy init
+            self._warm_up(bucket, mode)
             torch.cuda.synchronize()
             self.warmup_seconds += time.perf_counter() - start
             start = time.perf_counter()
@@ -146,6 +153,19 @@ class DecodeGraphs:
             self.graphs[(bucket, mode)] = graph
             torch.cuda.synchronize()
             self.capture_seconds += time.perf_counter() - start
+
+    def _warm_up(self, bucket: int, mode: int) -> None:
+        """Run the step once before its capture (compile, autotune, lazy init). A compile that fails warns and
+        leaves the step uncompiled: generation goes on, slower."""
+        try:
+            self.step(bucket, mode)
+        except (TorchDynamoException, ConstraintViolationError) as error:
+            if not self.compiled:
+                raise
+            warnings.warn(f"torch.compile of the decode step failed, running it uncompiled: "
+                          f"{type(error).__name__}: {str(error)[:300]}", RuntimeWarning, stacklevel=3)
+            self.compiled, self.forward = False, model_logits
+            self.step(bucket, mode)
 
     def run(self, requests) -> tuple[list[int], list[float]]:
         """Fill the static buffers for these decoding requests, replay the bucket's graph, read the tokens."""

@@ -3,9 +3,8 @@
 PEFT computes `result + lora_B(lora_A(x.to(A.dtype))) * scaling` and casts back to the result's dtype; with
 fp32 adapters on a bf16 model (PEFT's default upcast) cuBLAS runs that as small fp32 SIMT GEMMs plus split-K
 reductions: ~10 us a projection at decode sizes. Here it is two launches: `shrink` computes x A^T over K
-splits into fp32 partials (no atomics, so runs are bit-reproducible), each program loading its whole split at
-once (few rows make this latency-bound: one memory round trip a program, not a chain of them); `expand` sums
-the partials in a fixed order, a block of splits per load, applies B, the scaling and the add. Intermediates are rounded to the compute dtype (the adapter's, or
+splits into fp32 partials (no atomics, so runs are bit-reproducible), `expand` sums the partials in a fixed
+order, applies B, the scaling and the add. Intermediates are rounded to the compute dtype (the adapter's, or
 autocast's) where PEFT's modules round them, and sums run in fp32 as cuBLAS's do. Grids depend only on
 shapes (CUDA-graph safe).
 """
@@ -15,8 +14,8 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16         # rows per program
-SHRINK_SPLIT_K = 128  # input features per shrink program (benchmarks/results/lora_kernel.md)
-EXPAND_BLOCK_S = 16   # partials per load in the expand
+SHRINK_SPLIT_K = 256  # input features per shrink program, loaded SHRINK_BLOCK_K at a time: the tile whose
+SHRINK_BLOCK_K = 64   # decode steps measured fastest (benchmarks/NOTES.md, attempt 6)
 EXPAND_BLOCK_N = 64
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -47,8 +46,7 @@ def _shrink_kernel(x_ptr, a_ptr, partial_ptr, M, K, R, stride_xm, stride_xk, str
 @triton.jit
 def _expand_kernel(partial_ptr, b_ptr, base_ptr, out_ptr, M, N, R, num_splits, scaling,
                    stride_bn, stride_br, stride_basem, stride_basen, stride_om, stride_on,
-                   COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
+                   COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """Program (column tile, row tile): out = base + round(round(xa @ B^T) * scaling) over its tile."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -56,13 +54,10 @@ def _expand_kernel(partial_ptr, b_ptr, base_ptr, out_ptr, M, N, R, num_splits, s
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < M
-    splits = tl.arange(0, BLOCK_S)
     xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        split = s0 + splits
-        chunk = tl.load(partial_ptr + (split[:, None, None] * M + rows[None, :, None]) * BLOCK_R + ranks[None, None, :],
-                        mask=(split[:, None, None] < num_splits) & row_ok[None, :, None], other=0.0)
-        xa += tl.sum(chunk, axis=0)
+    for split in range(num_splits):
+        xa += tl.load(partial_ptr + (split * M + rows[:, None]) * BLOCK_R + ranks[None, :],
+                      mask=row_ok[:, None], other=0.0)
     xa = xa.to(COMPUTE).to(tl.float32)                            # lora_A's output
     b = tl.load(b_ptr + cols[None, :] * stride_bn + ranks[:, None] * stride_br,
                 mask=(cols[None, :] < N) & (ranks[:, None] < R), other=0.0)
@@ -78,11 +73,11 @@ def _expand_kernel(partial_ptr, b_ptr, base_ptr, out_ptr, M, N, R, num_splits, s
 
 def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scaling: float, compute_dtype: torch.dtype | None = None, split_k: int = SHRINK_SPLIT_K,
-             block_k: int | None = None) -> torch.Tensor:
+             block_k: int = SHRINK_BLOCK_K) -> torch.Tensor:
     """base [M, N] + scaling * (x [M, K] @ lora_a [R, K]^T) @ lora_b [N, R]^T as a new [M, N] tensor of
     base's dtype, with PEFT's roundings: x, A and B in compute_dtype (default: the adapter's), each product
     and the scaled delta rounded to it, sums in fp32. split_k input features per shrink program, loaded
-    block_k (default split_k) at a time: tile sizes only, swept by `benchmarks.lora_kernel`."""
+    block_k at a time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
     compute = _TL_DTYPES[compute_dtype or lora_a.dtype]
     (m, k), (n, r) = x.shape, lora_b.shape
     out = torch.empty_like(base)
@@ -94,9 +89,8 @@ def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     row_tiles = triton.cdiv(m, BLOCK_M)
     _shrink_kernel[(row_tiles, num_splits)](
         x, lora_a, partial, m, k, r, *x.stride(), *lora_a.stride(),
-        COMPUTE=compute, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_K=block_k or split_k, BLOCK_R=block_r, num_warps=4)
+        COMPUTE=compute, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_K=min(block_k, split_k), BLOCK_R=block_r, num_warps=4)
     _expand_kernel[(triton.cdiv(n, EXPAND_BLOCK_N), row_tiles)](
         partial, lora_b, base, out, m, n, r, num_splits, float(scaling), *lora_b.stride(), *base.stride(),
-        *out.stride(), COMPUTE=compute, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r,
-        BLOCK_S=EXPAND_BLOCK_S, num_warps=4)
+        *out.stride(), COMPUTE=compute, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r, num_warps=4)
     return out
