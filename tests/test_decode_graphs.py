@@ -20,7 +20,6 @@ def _driver_with_static_path(model, **config):
 
 
 def test_static_decode_path_matches_hf_greedy_on_every_architecture(arch):
-    """The step starts from embeddings looked up outside the model's forward (Gemma scales them inside it)."""
     model = make_model(arch, lora=True)
     prompts = random_prompts([3, 20, 41])
     results = _driver_with_static_path(model, max_batch_size=8, block_size=8).generate(
@@ -105,6 +104,22 @@ def test_compiled_decode_step_compiles_once_for_all_buckets_and_drivers():
         assert driver.graphs.buckets == [2, 4, 8]
         assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_compiled_step_from_embeddings_matches_hf_greedy(name):
+    """Compiled, the step starts from embeddings looked up outside the model's forward (Gemma scales them inside
+    it; an embedding hook must not break the graph)."""
+    pytest.importorskip("triton")
+    model = make_model(name)
+    model.enable_input_require_grads()
+    prompts = random_prompts([3, 20, 41])
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=4, block_size=8, attn_backend="triton"))
+    driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, 4, compile_model=True)
+    driver.runner.graphs = driver.graphs
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert driver.graphs.compiled
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
 
 
 def test_padded_rows_hold_no_stale_blocks_after_a_smaller_cache():

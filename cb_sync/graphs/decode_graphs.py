@@ -37,11 +37,10 @@ def model_fingerprint(model: torch.nn.Module) -> tuple:
     return params, adapters
 
 
-def model_logits(model, inputs_embeds, positions, meta):
-    """Logits of every row: the part of the decode step that torch.compile may take. It starts from the
-    embeddings, looked up outside: hooks on the embedding layer (PEFT's and TRL's `enable_input_require_grads`
-    calls `requires_grad_`) would break the compiled graph."""
-    return model(inputs_embeds=inputs_embeds, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
+def model_logits(model, inputs: dict, positions, meta):
+    """Logits of every row from `input_ids` or (compiled) `inputs_embeds`: the part of the decode step that
+    torch.compile may take."""
+    return model(**inputs, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
 
 
 @functools.cache
@@ -112,18 +111,23 @@ class DecodeGraphs:
 
     def step(self, bucket: int, mode: int) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
-        embeddings = base_model(self.model).get_input_embeddings()
-        rows = [embeddings(self.input_ids[:bucket].unsqueeze(0)), self.positions[:bucket].unsqueeze(0),
-                self.slots[:bucket], self.tables[:bucket], self.seq_lens[:bucket], self.query_start[:bucket + 1]]
-        if self.compiled:                           # one compile serves every bucket and every cache size
-            for t, batch_dim in zip(rows, (1, 1, 0, 0, 0, 0)):
+        ids, positions = self.input_ids[:bucket].unsqueeze(0), self.positions[:bucket].unsqueeze(0)
+        slots, tables, seq_lens = self.slots[:bucket], self.tables[:bucket], self.seq_lens[:bucket]
+        query_start = self.query_start[:bucket + 1]
+        inputs = {"input_ids": ids}
+        if self.compiled:
+            # The embedding lookup stays outside: hooks on the embedding layer (TRL's trainer adds one through
+            # `enable_input_require_grads`, calling `requires_grad_`) would break the compiled graph.
+            inputs = {"inputs_embeds": base_model(self.model).get_input_embeddings()(ids)}
+            # one compile serves every bucket and every cache size
+            for t, batch_dim in zip((inputs["inputs_embeds"], positions, slots, tables, seq_lens, query_start),
+                                    (1, 1, 0, 0, 0, 0)):
                 torch._dynamo.mark_dynamic(t, batch_dim)
             for cache in (*self.cache.k_caches, *self.cache.v_caches):
                 torch._dynamo.mark_dynamic(cache, 0)
-        inputs_embeds, positions, slots, tables, seq_lens, query_start = rows
         meta = AttnMetadata(slots, tables, seq_lens, query_start, 1, self.width * self.cache.block_size,
                             self.cache.k_caches, self.cache.v_caches, self.backend)
-        logits = self.forward(self.model, inputs_embeds, positions, meta)
+        logits = self.forward(self.model, inputs, positions, meta)
         s = self.sampling
         params = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
                                s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
