@@ -19,6 +19,13 @@ def _driver_with_static_path(model, **config):
     return driver
 
 
+def _compiled_static_path(model, max_batch_size=4):
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=max_batch_size, block_size=8, attn_backend="triton"))
+    driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, max_batch_size, compile_model=True)
+    driver.runner.graphs = driver.graphs
+    return driver
+
+
 def test_static_decode_path_matches_hf_greedy_on_every_architecture(arch):
     model = make_model(arch, lora=True)
     prompts = random_prompts([3, 20, 41])
@@ -97,9 +104,7 @@ def test_compiled_decode_step_compiles_once_for_all_buckets_and_drivers():
     before = counters["stats"]["unique_graphs"]
     # a second driver on the same model, with a larger KV cache (same table width), reuses the compile
     for prompts in (random_prompts([3, 20, 41]), random_prompts([40, 45, 50], seed=3)):
-        driver = SyncCBDriver(model, CBConfig(max_batch_size=8, block_size=8, attn_backend="triton"))
-        driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, 8, compile_model=True)
-        driver.runner.graphs = driver.graphs
+        driver = _compiled_static_path(model, max_batch_size=8)
         results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
         assert driver.graphs.buckets == [2, 4, 8]
         assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
@@ -114,11 +119,9 @@ def test_compiled_step_from_embeddings_matches_hf_greedy(name):
     model = make_model(name)
     model.enable_input_require_grads()
     prompts = random_prompts([3, 20, 41])
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=4, block_size=8, attn_backend="triton"))
-    driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, 4, compile_model=True)
-    driver.runner.graphs = driver.graphs
+    driver = _compiled_static_path(model)
     results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
-    assert driver.graphs.compiled
+    assert driver.graphs.compiled and driver.graphs.from_embeddings
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
 
 
@@ -148,21 +151,31 @@ def test_graphs_recaptured_when_the_autocast_state_changes():
 
 def test_a_failing_compile_warns_and_leaves_the_step_uncompiled():
     model = make_model("qwen3", lora=True)
-    driver = _driver_with_static_path(model, max_batch_size=4, block_size=8)
-    driver.generate(random_prompts([5, 9, 14, 30]), SamplingParams(max_new_tokens=3))
-    graphs = driver.graphs
+    driver = _compiled_static_path(model)
 
     def graph_break(*args):
         raise torch._dynamo.exc.Unsupported("graph break")
+    driver.graphs.forward = graph_break
+    prompts = random_prompts([5, 9, 14])
+    with pytest.warns(RuntimeWarning, match="compile of the decode step failed"):
+        results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert not driver.graphs.compiled and driver.graphs.forward is model_logits
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
 
-    with torch.inference_mode():
-        graphs.step(4, GREEDY)
-        expected = graphs.out_tokens[:4].clone()
-        graphs.forward = graph_break
-        with pytest.raises(torch._dynamo.exc.Unsupported):      # not compiled: the error is the step's own
-            graphs._warm_up(4, GREEDY)
-        graphs.compiled, graphs.out_tokens[:] = True, -1
-        with pytest.warns(RuntimeWarning, match="compile of the decode step failed"):
-            graphs._warm_up(4, GREEDY)
-    assert not graphs.compiled and graphs.forward is model_logits
-    assert torch.equal(graphs.out_tokens[:4], expected)
+
+def test_compiled_step_starts_from_ids_when_embeddings_alone_change_the_logits():
+    """Models with per-layer token inputs (Gemma-3n) compute more from the ids than the embedding lookup: there
+    the compiled step keeps the ids. Stand-in: a model whose forward shifts embeddings given without ids."""
+    model = make_model("llama")
+    inner_forward = model.model.forward
+
+    def forward(input_ids=None, inputs_embeds=None, **kwargs):
+        if input_ids is None:
+            inputs_embeds = inputs_embeds + 0.5
+        return inner_forward(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
+    model.model.forward = forward
+    driver = _compiled_static_path(model)
+    prompts = random_prompts([5, 9, 14])
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert driver.graphs.compiled and driver.graphs.from_embeddings is False
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -135,7 +137,9 @@ def test_compiled_step_with_a_hooked_embedding_layer():
     model.train()
     prompts = random_prompts([5, 9, 14, 30])
     driver = SyncCBDriver(model, CBConfig(max_batch_size=4, compile=True))
-    results = driver.generate(prompts, SamplingParams(max_new_tokens=8))
-    assert driver.graphs.graphs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # a compile that fell back would warn
+        results = driver.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert driver.graphs.graphs and driver.graphs.compiled and driver.graphs.from_embeddings
     model.eval()
     assert [r.token_ids for r in results] == [_hf_greedy_cuda(model, p, 8) for p in prompts]

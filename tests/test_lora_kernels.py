@@ -94,13 +94,21 @@ def test_forward_is_restored_also_on_error():
 
 @pytest.mark.parametrize("split_k, block_k", [(16, 16), (64, 32), (128, 128)])
 def test_partials_are_summed_over_every_k_split(split_k, block_k):
-    """K spans several shrink programs (38 at split 16: more than one block of partials in the expand), each
-    loading its split in one or several blocks: every split's partial must reach the sum."""
+    """K spans several shrink programs (38 at split 16, the last one partial), each loading its split in one or
+    several blocks: every split's partial must reach the sum."""
     torch.manual_seed(split_k)
     x, base = torch.randn(3, 600, device=DEVICE), torch.randn(3, 20, device=DEVICE)
     lora_a, lora_b = torch.randn(8, 600, device=DEVICE), torch.randn(20, 8, device=DEVICE)
     got = kernels.lora_add(x, base, lora_a, lora_b, 0.5, split_k=split_k, block_k=block_k)
     torch.testing.assert_close(got, base + 0.5 * (x @ lora_a.T) @ lora_b.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split_k, block_k", [(96, 64), (48, 48), (64, 8)])
+def test_tiles_that_would_miscount_features_are_refused(split_k, block_k):
+    x = torch.randn(2, 200, device=DEVICE)
+    with pytest.raises(ValueError, match="block_k"):
+        kernels.lora_add(x, torch.zeros(2, 4, device=DEVICE), torch.randn(4, 200, device=DEVICE),
+                         torch.randn(4, 4, device=DEVICE), 1.0, split_k=split_k, block_k=block_k)
 
 
 @pytest.mark.gpu

@@ -61,6 +61,7 @@ class DecodeGraphs:
         self.max_batch = self.buckets[-1]
         self.compiled = compile_model
         self.forward = compiled_model_logits() if compile_model else model_logits
+        self.from_embeddings = None   # compiled: start from embeddings (decided at the first warm-up)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.width = 0
@@ -111,22 +112,18 @@ class DecodeGraphs:
 
     def step(self, bucket: int, mode: int) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
-        ids, positions = self.input_ids[:bucket].unsqueeze(0), self.positions[:bucket].unsqueeze(0)
-        slots, tables, seq_lens = self.slots[:bucket], self.tables[:bucket], self.seq_lens[:bucket]
-        query_start = self.query_start[:bucket + 1]
+        ids, positions, meta = self._inputs(bucket)
         inputs = {"input_ids": ids}
         if self.compiled:
-            # The embedding lookup stays outside: hooks on the embedding layer (TRL's trainer adds one through
-            # `enable_input_require_grads`, calling `requires_grad_`) would break the compiled graph.
-            inputs = {"inputs_embeds": base_model(self.model).get_input_embeddings()(ids)}
+            if self.from_embeddings:
+                inputs = {"inputs_embeds": self._embed(ids)}
             # one compile serves every bucket and every cache size
-            for t, batch_dim in zip((inputs["inputs_embeds"], positions, slots, tables, seq_lens, query_start),
-                                    (1, 1, 0, 0, 0, 0)):
+            rows = (*inputs.values(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                    meta.query_start_loc)
+            for t, batch_dim in zip(rows, (1, 1, 0, 0, 0, 0)):
                 torch._dynamo.mark_dynamic(t, batch_dim)
             for cache in (*self.cache.k_caches, *self.cache.v_caches):
                 torch._dynamo.mark_dynamic(cache, 0)
-        meta = AttnMetadata(slots, tables, seq_lens, query_start, 1, self.width * self.cache.block_size,
-                            self.cache.k_caches, self.cache.v_caches, self.backend)
         logits = self.forward(self.model, inputs, positions, meta)
         s = self.sampling
         params = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
@@ -136,18 +133,28 @@ class DecodeGraphs:
         self.out_tokens[:bucket].copy_(tokens)
         self.out_logprobs[:bucket].copy_(logprobs)
 
+    def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+        """Token ids [1, bucket], positions [1, bucket] and attention metadata: views of the static buffers."""
+        meta = AttnMetadata(self.slots[:bucket], self.tables[:bucket], self.seq_lens[:bucket],
+                            self.query_start[:bucket + 1], 1, self.width * self.cache.block_size,
+                            self.cache.k_caches, self.cache.v_caches, self.backend)
+        return self.input_ids[:bucket].unsqueeze(0), self.positions[:bucket].unsqueeze(0), meta
+
     def _capture_all(self, mode: int) -> None:
         """Capture every bucket for this sampling mode, largest first, into the shared pool."""
         self.slots.fill_(-1)
         self.seq_lens.zero_()
         if self.cache.device.type != "cuda":       # no capture off CUDA: replay runs the step itself
+            if self.compiled:
+                self._warm_up(self.max_batch, mode)
             self.graphs.update({(b, mode): _EagerStep(self.step, b, mode) for b in self.buckets})
             return
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             start = time.perf_counter()
-            self._warm_up(bucket, mode)
+            if not self._warm_up(bucket, mode):     # the compile failed: capture every bucket anew, uncompiled
+                return self._capture_all(mode)
             torch.cuda.synchronize()
             self.warmup_seconds += time.perf_counter() - start
             start = time.perf_counter()
@@ -158,18 +165,39 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             self.capture_seconds += time.perf_counter() - start
 
-    def _warm_up(self, bucket: int, mode: int) -> None:
+    def _warm_up(self, bucket: int, mode: int) -> bool:
         """Run the step once before its capture (compile, autotune, lazy init). A compile that fails warns and
-        leaves the step uncompiled: generation goes on, slower."""
+        leaves the step uncompiled (generation goes on, slower), drops every graph captured so far (they ran the
+        compiled step) and returns False."""
+        if self.compiled and self.from_embeddings is None:
+            self.from_embeddings = self._same_logits_from_embeddings(bucket)
         try:
             self.step(bucket, mode)
+            return True
         except (TorchDynamoException, ConstraintViolationError) as error:
             if not self.compiled:
                 raise
             warnings.warn(f"torch.compile of the decode step failed, running it uncompiled: "
                           f"{type(error).__name__}: {str(error)[:300]}", RuntimeWarning, stacklevel=3)
             self.compiled, self.forward = False, model_logits
-            self.step(bucket, mode)
+            self.graphs.clear()
+            return False
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding lookup, outside the compiled function: hooks on the embedding layer (TRL's trainer adds
+        one through `enable_input_require_grads`, calling `requires_grad_`) would break the compiled graph."""
+        return base_model(self.model).get_input_embeddings()(ids)
+
+    def _same_logits_from_embeddings(self, bucket: int) -> bool:
+        """Whether the model's forward gives the same logits from looked-up embeddings as from the ids (not so
+        for models with per-layer token inputs, such as Gemma-3n), checked uncompiled on the static buffers."""
+        ids, positions, meta = self._inputs(bucket)
+        try:
+            from_embeddings = model_logits(self.model, {"inputs_embeds": self._embed(ids)}, positions, meta)
+        except (RuntimeError, ValueError):      # a forward that refuses embeddings alone
+            return False
+        from_ids = model_logits(self.model, {"input_ids": ids}, positions, meta)
+        return bool(((from_ids == from_embeddings) | (from_ids.isnan() & from_embeddings.isnan())).all())
 
     def run(self, requests) -> tuple[list[int], list[float]]:
         """Fill the static buffers for these decoding requests, replay the bucket's graph, read the tokens."""

@@ -78,6 +78,9 @@ def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     base's dtype, with PEFT's roundings: x, A and B in compute_dtype (default: the adapter's), each product
     and the scaled delta rounded to it, sums in fp32. split_k input features per shrink program, loaded
     block_k at a time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
+    if block_k < 16 or block_k & (block_k - 1) or split_k % block_k:
+        raise ValueError(f"block_k must be a power of two >= 16 that divides split_k, got split_k={split_k}, "
+                         f"block_k={block_k}")
     compute = _TL_DTYPES[compute_dtype or lora_a.dtype]
     (m, k), (n, r) = x.shape, lora_b.shape
     out = torch.empty_like(base)
@@ -89,7 +92,7 @@ def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     row_tiles = triton.cdiv(m, BLOCK_M)
     _shrink_kernel[(row_tiles, num_splits)](
         x, lora_a, partial, m, k, r, *x.stride(), *lora_a.stride(),
-        COMPUTE=compute, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_K=min(block_k, split_k), BLOCK_R=block_r, num_warps=4)
+        COMPUTE=compute, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
     _expand_kernel[(triton.cdiv(n, EXPAND_BLOCK_N), row_tiles)](
         partial, lora_b, base, out, m, n, r, num_splits, float(scaling), *lora_b.stride(), *base.stride(),
         *out.stride(), COMPUTE=compute, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r, num_warps=4)
