@@ -4,7 +4,8 @@ cb_sync and its peers run in one process on the same card; the table gives ratio
     python -m benchmarks.throughput [--batches 4 32 128] [--engines cb_sync cb_sync_compiled hf_generate ...]
 
 Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's LoRA forward), cb_sync_compiled
-(+ torch.compile; run after the others so that one compile serves every batch), hf_generate, transformers_cb.
+(+ torch.compile; run after the others so that one compile serves every batch), hf_generate, hf_generate_static
+(static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb.
 """
 
 from __future__ import annotations
@@ -66,13 +67,20 @@ def _mean_ms(values: list[float]):
     return round(1000 * sum(values) / len(values), 3) if values else None
 
 
-def run_hf_generate(model, prompts, new_tokens):
+def run_hf_generate(model, prompts, new_tokens, static=False):
+    """HF `generate` with its dynamic cache, or with a static cache (which `generate` compiles: timed warm, after
+    a first call that compiles for this batch size)."""
     ids = torch.tensor(prompts, device="cuda")
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
+    extra = {}
     with torch.no_grad():
+        if static:
+            kwargs["cache_implementation"] = "static"
+            first, _ = _timed(lambda: model.generate(ids, **kwargs))
+            extra["first_call_s"] = round(first, 2)
         seconds, peak = _timed(lambda: model.generate(ids, **kwargs))
-    return seconds, peak, {}
+    return seconds, peak, extra
 
 
 def run_transformers_cb(model, prompts, new_tokens):
@@ -96,15 +104,17 @@ ENGINES = {
     "cb_sync_peft_lora": lambda *a: run_cb_sync(*a, lora_kernels=False),      # graphs, PEFT's LoRA forward
     "cb_sync_compiled": lambda *a: run_cb_sync(*a, compile_model=True),       # + torch.compile
     "hf_generate": run_hf_generate,
+    "hf_generate_static": lambda *a: run_hf_generate(*a, static=True),     # + static cache, compiled by HF
     "transformers_cb": run_transformers_cb,
 }
-PEERS = ("hf_generate", "transformers_cb")
+PEERS = ("hf_generate", "hf_generate_static", "transformers_cb")
+DEFAULT_ENGINES = ("cb_sync", "hf_generate", "transformers_cb")   # hf_generate_static compiles per batch size
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
-    parser.add_argument("--engines", nargs="+", default=["cb_sync", *PEERS], choices=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES), choices=list(ENGINES))
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--no-lora-engines", nargs="*", default=["cb_sync"], choices=list(ENGINES),
