@@ -11,7 +11,7 @@ from .cache import PagedKVCache
 from .request import Request
 from .graphs import is_pure_decode
 from .graphs.decode_graphs import DecodeGraphs
-from .sampling import sample, sampling_batch
+from .sampling import sample_exactly, sampling_batch
 from .scheduler import ScheduledChunk
 
 
@@ -38,7 +38,7 @@ class ModelRunner:
         logits = self.model(**inputs, cb_meta=meta, logits_to_keep=sample_rows, use_cache=False).logits[0]
         if not samplers:
             return [], [], []
-        tokens, logprobs = sample(logits, sampling_batch(samplers, self.device))
+        tokens, logprobs = sample_exactly(logits, sampling_batch(samplers, self.device))
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()
         return samplers, [int(t) for t in host[0]], host[1]
 

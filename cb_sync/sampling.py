@@ -6,11 +6,13 @@ seed give the same tokens whatever else is in the batch, and no generator state 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
+CANDIDATES = 64   # with every sampling row's top_k below this, the filters run on torch.topk's candidates
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -50,6 +52,14 @@ class SamplingBatch:
     positions: torch.Tensor     # int64 [S], index of the token being sampled among the request's outputs
     any_sample: bool
     any_filter: bool
+    candidates: int = 0         # > 0: filter the top `candidates` tokens (uses_candidates), 0: sort the vocabulary
+
+
+def uses_candidates(params) -> bool:
+    """Whether every sampling row's filters start with a top-k below CANDIDATES, so they can run on the top
+    CANDIDATES tokens instead of the sorted vocabulary (ties at the k-th value beyond them are flagged by sample)."""
+    sampled = [p for p in params if p.do_sample]
+    return bool(sampled) and all(0 < p.top_k < CANDIDATES for p in sampled)
 
 
 def sampling_columns(requests) -> dict[str, tuple[list, torch.dtype]]:
@@ -72,22 +82,36 @@ def sampling_batch(requests, device: torch.device) -> SamplingBatch:
                for name, (values, dtype) in sampling_columns(requests).items()}
     params = [r.params for r in requests]
     return SamplingBatch(**columns, any_sample=any(p.do_sample for p in params),
-                         any_filter=any(p.filtered for p in params))
+                         any_filter=any(p.filtered for p in params),
+                         candidates=CANDIDATES if uses_candidates(params) else 0)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose one token per row of logits [S, V]; returns (token ids int64 [S], their logprobs float32 [S]).
+def sample_exactly(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample(), sampling again from the sorted vocabulary when a top-k tie ran past the candidates (syncs)."""
+    tokens, logprobs, tied = sample(logits, batch)
+    if tied is not None and bool(tied.any()):
+        tokens, logprobs, _ = sample(logits, dataclasses.replace(batch, candidates=0))
+    return tokens, logprobs
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Choose one token per row of logits [S, V]: (token ids int64 [S], their logprobs float32 [S], tied).
 
     Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes);
-    greedy rows use temperature 1.
+    greedy rows use temperature 1. With batch.candidates, `tied` (bool [S]) flags the sampling rows whose top-k
+    kept every candidate (values tied with the k-th may lie beyond them): those rows must be sampled again with
+    candidates=0 (sample_exactly); it is None otherwise. No host synchronisation (CUDA-graph safe).
     """
     scaled = logits.float() / batch.temperature[:, None] if batch.any_sample else logits.float()
-    tokens = scaled.argmax(dim=-1)
+    tokens, tied = scaled.argmax(dim=-1), None
     if batch.any_sample:
-        sampled = _sample_filtered(scaled, batch) if batch.any_filter else _gumbel_argmax(scaled, batch, None)
+        if batch.any_filter:
+            sampled, tied = _sample_filtered(scaled, batch)
+        else:
+            sampled = _gumbel_argmax(scaled, batch, None)
         tokens = torch.where(batch.do_sample, sampled, tokens)
     logprobs = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens, logprobs
+    return tokens, logprobs, tied
 
 
 def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None) -> torch.Tensor:
@@ -98,12 +122,18 @@ def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.
     return (scores - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
-def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply top-k (ties with the k-th value kept, as HF), then top-p, then min-p (each renormalising over what the
-    previous kept), then draw."""
-    values, order = scaled.sort(dim=-1, descending=True)
+    previous kept), then draw; over the sorted vocabulary, or over the top batch.candidates tokens (the rows whose
+    top-k kept all of them are flagged)."""
+    vocab = scaled.shape[1]
+    if batch.candidates:
+        values, order = scaled.topk(min(batch.candidates, vocab), dim=-1)
+    else:
+        values, order = scaled.sort(dim=-1, descending=True)
     kth = values.gather(1, (batch.top_k.clamp(min=1, max=values.shape[1]) - 1)[:, None])
     keep = (batch.top_k[:, None] == 0) | (values >= kth)
+    tied = batch.do_sample & keep[:, -1] & (values.shape[1] < vocab) if batch.candidates else None
     values = values.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(values, dim=-1)
     keep &= (probs.cumsum(dim=-1) - probs) < batch.top_p[:, None]
@@ -112,4 +142,4 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     keep &= probs >= batch.min_p[:, None] * probs[:, :1]
     values = values.masked_fill(~keep, float("-inf"))
     choice = _gumbel_argmax(values, batch, order)
-    return order.gather(1, choice[:, None])[:, 0]
+    return order.gather(1, choice[:, None])[:, 0], tied

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.graphs.decode_graphs import (FILTERED, GREEDY, SAMPLE, DecodeGraphs, model_fingerprint, model_logits,
-                                         sampling_mode)
+from cb_sync.graphs.decode_graphs import (FILTERED, GREEDY, SAMPLE, TOP_K, DecodeGraphs, model_fingerprint,
+                                         model_logits, sampling_mode)
+from cb_sync.sampling import CANDIDATES
 
 from conftest import hf_greedy, make_model, random_prompts
 
@@ -62,6 +63,29 @@ def test_sampling_mode():
     assert sampling_mode([SamplingParams()]) == GREEDY
     assert sampling_mode([SamplingParams(), SamplingParams(do_sample=True)]) == SAMPLE
     assert sampling_mode([SamplingParams(do_sample=True), SamplingParams(do_sample=True, min_p=0.1)]) == FILTERED
+    grpo = SamplingParams(do_sample=True, temperature=0.1, top_k=5, top_p=0.97, min_p=0.5)
+    assert sampling_mode([grpo, SamplingParams()]) == TOP_K
+    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_k=CANDIDATES)]) == FILTERED
+    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_p=0.9)]) == FILTERED
+
+
+def test_static_path_top_k_ties_past_the_candidates_sample_the_whole_tie():
+    """All logits equal: top-k keeps the whole vocabulary, so the candidates' step is redone over the sorted
+    vocabulary, as the eager path does, and draws reach tokens outside the first CANDIDATES."""
+    model = make_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    prompts = random_prompts([5, 12, 30])
+    params = [SamplingParams(max_new_tokens=40, do_sample=True, top_k=5, seed=s) for s in (1, 2, 3)]
+    driver = _driver_with_static_path(model)
+    modes = []
+    original = driver.graphs.step
+    driver.graphs.step = lambda bucket, mode: modes.append(mode) or original(bucket, mode)
+    static = driver.generate(prompts, params)
+    eager = SyncCBDriver(model).generate(prompts, params)
+    assert TOP_K in modes and FILTERED in modes
+    assert [r.token_ids for r in static] == [r.token_ids for r in eager]
+    assert len({t for r in static for t in r.token_ids}) > CANDIDATES
 
 
 def test_graphs_invalidated_by_storage_swap_and_width_not_by_in_place_update():

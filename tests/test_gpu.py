@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.graphs.decode_graphs import FILTERED, GREEDY
+from cb_sync.graphs.decode_graphs import FILTERED, GREEDY, TOP_K
 from cb_sync.lora import lora_kernels
 from cb_sync.model_state import generation_mode
 
@@ -29,11 +29,12 @@ def _hf_greedy_cuda(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("mode", [GREEDY, FILTERED])
+@pytest.mark.parametrize("mode", [GREEDY, TOP_K, FILTERED])
 def test_replay_is_bit_identical_to_uncaptured_step(mode):
     model = _cuda_model(dtype=torch.bfloat16)
     driver = SyncCBDriver(model, CBConfig(max_batch_size=8))
-    driver.generate(random_prompts([20] * 8), SamplingParams(max_new_tokens=4, do_sample=mode != GREEDY, top_k=5))
+    top_k = 100 if mode == FILTERED else 5           # at or above CANDIDATES: the sorted-vocabulary sampler
+    driver.generate(random_prompts([20] * 8), SamplingParams(max_new_tokens=4, do_sample=mode != GREEDY, top_k=top_k))
     graphs = driver.graphs
     assert (8, mode) in graphs.graphs
     with generation_mode(model), lora_kernels(model):      # as inside generate(): same LoRA path both times

@@ -8,18 +8,18 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.sampling import SamplingBatch, sample
+from cb_sync.sampling import CANDIDATES, SamplingBatch, sample, sample_exactly
 
 from conftest import make_model, random_prompts
 
 
-def _batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None):
+def _batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, candidates=0):
     return SamplingBatch(
         do_sample=torch.ones(rows, dtype=torch.bool), temperature=torch.full((rows,), temperature),
         top_k=torch.full((rows,), top_k), top_p=torch.full((rows,), top_p), min_p=torch.full((rows,), min_p),
         seeds=torch.arange(rows) if seeds is None else seeds,
         positions=torch.zeros(rows, dtype=torch.int64) if positions is None else positions,
-        any_sample=True, any_filter=bool(top_k or top_p < 1 or min_p > 0))
+        any_sample=True, any_filter=bool(top_k or top_p < 1 or min_p > 0), candidates=candidates)
 
 
 def _hf_allowed(logits, temperature, top_k, top_p, min_p):
@@ -40,7 +40,7 @@ def test_samples_stay_in_hf_allowed_set(temperature, top_k, top_p, min_p):
     logits = torch.randn(64, 50) * 3
     allowed, _ = _hf_allowed(logits, temperature, top_k, top_p, min_p)
     for step in range(20):
-        tokens, _ = sample(logits, _batch(64, temperature, top_k, top_p, min_p,
+        tokens, _ = sample_exactly(logits, _batch(64, temperature, top_k, top_p, min_p,
                                           positions=torch.full((64,), step)))
         assert allowed[torch.arange(64), tokens].all()
     assert allowed.sum(1).max() > 1      # the filters leave a real choice
@@ -52,7 +52,7 @@ def test_empirical_distribution_matches_filtered_softmax():
     _, scores = _hf_allowed(logits, 0.8, 6, 0.9, 0.05)
     expected = torch.softmax(scores, dim=-1)[0]
     n = 20000
-    tokens, _ = sample(logits.expand(n, -1), _batch(n, 0.8, 6, 0.9, 0.05, seeds=torch.arange(n) * 7919))
+    tokens, _ = sample_exactly(logits.expand(n, -1), _batch(n, 0.8, 6, 0.9, 0.05, seeds=torch.arange(n) * 7919))
     freq = torch.bincount(tokens, minlength=12).float() / n
     assert (freq - expected).abs().max() < 0.015
     assert freq[expected == 0].sum() == 0
@@ -61,7 +61,7 @@ def test_empirical_distribution_matches_filtered_softmax():
 def test_logprobs_are_of_temperature_scaled_softmax():
     torch.manual_seed(0)
     logits = torch.randn(8, 30)
-    tokens, logprobs = sample(logits, _batch(8, temperature=0.5, top_k=4))
+    tokens, logprobs = sample_exactly(logits, _batch(8, temperature=0.5, top_k=4))
     expected = torch.log_softmax(logits / 0.5, dim=-1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logprobs, expected)
 
@@ -124,9 +124,9 @@ def test_peaked_logits_never_sample_another_token():
     rows = 512
     logits = torch.zeros(rows, 151936)
     logits[:, 7] = 50.0
-    tokens, _ = sample(logits, _batch(rows, seeds=torch.full((rows,), 12345), positions=torch.arange(rows)))
+    tokens, _ = sample_exactly(logits, _batch(rows, seeds=torch.full((rows,), 12345), positions=torch.arange(rows)))
     assert (tokens == 7).all()
-    filtered, _ = sample(logits[:32], _batch(32, top_k=1, seeds=torch.full((32,), 12345), positions=torch.arange(32)))
+    filtered, _ = sample_exactly(logits[:32], _batch(32, top_k=1, seeds=torch.full((32,), 12345), positions=torch.arange(32)))
     assert (filtered == 7).all()
 
 
@@ -134,5 +134,36 @@ def test_top_k_keeps_ties_like_hf():
     logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]]).expand(4000, -1)
     allowed, _ = _hf_allowed(logits[:1], 1.0, 2, 1.0, 0.0)
     assert allowed[0].tolist() == [True, True, True, False, False]
-    tokens, _ = sample(logits, _batch(4000, top_k=2, seeds=torch.arange(4000)))
+    tokens, _ = sample_exactly(logits, _batch(4000, top_k=2, seeds=torch.arange(4000)))
     assert set(tokens.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 5, 1.0, 0.0), (0.1, 5, 0.97, 0.5), (1.0, 20, 0.5, 0.05), (1.3, CANDIDATES - 1, 0.9, 0.0)])
+def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, top_p, min_p):
+    """Without ties at the k-th value, filtering the top CANDIDATES tokens draws exactly what the sorted
+    vocabulary draws (the noise is keyed by token id)."""
+    torch.manual_seed(0)
+    rows = 256
+    logits = torch.randn(rows, 1000) * 3
+    for step in range(3):
+        positions = torch.full((rows,), step)
+        full, full_logprobs, no_flag = sample(logits, _batch(rows, temperature, top_k, top_p, min_p, positions=positions))
+        fast, fast_logprobs, tied = sample(logits, _batch(rows, temperature, top_k, top_p, min_p, positions=positions,
+                                                          candidates=CANDIDATES))
+        assert no_flag is None and not tied.any()
+        assert torch.equal(fast, full) and torch.equal(fast_logprobs, full_logprobs)
+        assert len(set(fast.tolist())) > 1
+
+
+def test_top_k_ties_past_the_candidates_are_flagged_and_sampled_from_the_whole_tie():
+    rows, tie = 2000, 3 * CANDIDATES
+    logits = torch.randn(rows, 1000)
+    logits[:, 100:100 + tie] = 10.0           # HF's top-k with k=5 keeps every token tied with the 5th
+    batch = _batch(rows, top_k=5, seeds=torch.arange(rows), candidates=CANDIDATES)
+    _, _, tied = sample(logits, batch)
+    assert tied.all()
+    tokens, _ = sample_exactly(logits, batch)
+    allowed, _ = _hf_allowed(logits[:1], 1.0, 5, 1.0, 0.0)
+    assert allowed[0, tokens].all()
+    assert len(set(tokens.tolist())) > CANDIDATES     # drawn beyond the first CANDIDATES tied tokens

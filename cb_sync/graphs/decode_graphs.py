@@ -13,19 +13,22 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from ..attention import AttnMetadata
 from ..model_state import base_model
-from ..sampling import SamplingBatch, sample, sampling_columns
+from ..sampling import CANDIDATES, SamplingBatch, sample, sampling_columns, uses_candidates
 from .buckets import bucket_for, decode_buckets
+from .step_inputs import StepInputs
 
-GREEDY, SAMPLE, FILTERED = 0, 1, 2
+GREEDY, SAMPLE, TOP_K, FILTERED = 0, 1, 2, 3
 
 
 def sampling_mode(batch_params) -> int:
-    """The cheapest sampler that serves every row: greedy, plain sampling, or sampling with filters."""
-    mode = GREEDY
-    for p in batch_params:
-        if p.do_sample:
-            mode = max(mode, FILTERED if p.filtered else SAMPLE)
-    return mode
+    """The cheapest sampler that serves every row: greedy, plain sampling, filters on the top-k candidates
+    (every sampling row has a small top_k), or filters on the sorted vocabulary."""
+    batch_params = list(batch_params)
+    if not any(p.do_sample for p in batch_params):
+        return GREEDY
+    if not any(p.filtered for p in batch_params):
+        return SAMPLE
+    return TOP_K if uses_candidates(batch_params) else FILTERED
 
 
 def model_fingerprint(model: torch.nn.Module) -> tuple:
@@ -93,20 +96,18 @@ class DecodeGraphs:
 
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.inputs = StepInputs(n, self.width, device)
+        fields = self.inputs.device
+        self.input_ids, self.positions, self.slots = fields["input_ids"], fields["positions"], fields["slots"]
+        self.tables, self.seq_lens = fields["tables"], fields["seq_lens"]
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.sampling = SamplingBatch(
-            do_sample=torch.zeros(n, dtype=torch.bool, device=device),
-            temperature=torch.ones(n, device=device), top_k=torch.zeros(n, dtype=torch.int64, device=device),
-            top_p=torch.ones(n, device=device), min_p=torch.zeros(n, device=device),
-            seeds=torch.zeros(n, dtype=torch.int64, device=device),
-            positions=torch.zeros(n, dtype=torch.int64, device=device), any_sample=False, any_filter=False)
+            do_sample=fields["do_sample"], temperature=fields["temperature"], top_k=fields["top_k"],
+            top_p=fields["top_p"], min_p=fields["min_p"], seeds=fields["seeds"], positions=fields["sample_positions"],
+            any_sample=False, any_filter=False)
         self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(n, device=device)
+        self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
 
     # -- the step -------------------------------------------------------------------------------------------
 
@@ -128,10 +129,13 @@ class DecodeGraphs:
         s = self.sampling
         params = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
                                s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
-                               any_sample=mode != GREEDY, any_filter=mode == FILTERED)
-        tokens, logprobs = sample(logits, params)
+                               any_sample=mode != GREEDY, any_filter=mode in (TOP_K, FILTERED),
+                               candidates=CANDIDATES if mode == TOP_K else 0)
+        tokens, logprobs, tied = sample(logits, params)
         self.out_tokens[:bucket].copy_(tokens)
         self.out_logprobs[:bucket].copy_(logprobs)
+        if mode == TOP_K:
+            self.out_tied[:bucket].copy_(tied)
 
     def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
         """Token ids [1, bucket], positions [1, bucket] and attention metadata: views of the static buffers."""
@@ -206,28 +210,40 @@ class DecodeGraphs:
         mode = sampling_mode(r.params for r in requests)
         if (bucket, mode) not in self.graphs:
             self._capture_all(mode)
-        block_size = self.cache.block_size
-        ids, positions, slots, tables = [], [], [], []
-        for r in requests:
+        self._fill_host(requests, bucket, mode)
+        self.inputs.upload()
+        self.graphs[(bucket, mode)].replay()
+        tokens, logprobs, tied = self._read(n)
+        if mode == TOP_K and any(tied):
+            # a top-k tie ran past the candidates (rare): the same step, uncaptured, over the sorted vocabulary
+            self.step(bucket, FILTERED)
+            tokens, logprobs, _ = self._read(n)
+        return tokens, logprobs
+
+    def _fill_host(self, requests, bucket: int, mode: int) -> None:
+        host, block_size, n = self.inputs.host, self.cache.block_size, len(requests)
+        ids, positions, slots = [], [], []
+        tables = host["tables"]
+        tables[:bucket] = 0                 # padded rows: no stale block ids from an earlier, larger cache
+        for i, r in enumerate(requests):
             p = r.num_computed
             ids.append(r.token_slice(p, p + 1)[0])
             positions.append(p)
             slots.append(r.blocks[p // block_size] * block_size + p % block_size)
-            tables.append(r.blocks + [0] * (self.width - len(r.blocks)))
+            tables[i, :len(r.blocks)] = r.blocks
         pad = bucket - n
-        self.input_ids[:bucket].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slots[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        self.seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32),
-                                     non_blocking=True)
-        self.tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
-        self.tables[n:bucket].zero_()             # padded rows: no stale block ids from an earlier, larger cache
+        host["input_ids"][:bucket] = ids + [0] * pad
+        host["positions"][:bucket] = positions + [0] * pad
+        host["slots"][:bucket] = slots + [-1] * pad
+        host["seq_lens"][:bucket] = [p + 1 for p in positions] + [0] * pad
         if mode != GREEDY:                          # a greedy graph reads no sampling column
-            for name, (values, dtype) in sampling_columns(requests).items():
-                getattr(self.sampling, name)[:n].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
-        self.graphs[(bucket, mode)].replay()
-        host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double()]).tolist()
-        return [int(t) for t in host[0]], host[1]
+            for name, (values, _) in sampling_columns(requests).items():
+                host["sample_positions" if name == "positions" else name][:n] = values
+
+    def _read(self, n: int) -> tuple[list[int], list[float], list[bool]]:
+        host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double(),
+                            self.out_tied[:n].double()]).tolist()
+        return [int(t) for t in host[0]], host[1], [bool(t) for t in host[2]]
 
 
 class _EagerStep:
