@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -21,6 +22,7 @@ from cb_sync.lora import lora_kernels
 from cb_sync.model_state import generation_mode
 
 PROMPT, NEW = 256, 128
+REPEATS = 3          # medians of three calls each
 SAMPLERS = {
     "greedy": (SamplingParams(max_new_tokens=NEW, eos_token_id=[]), False),
     "grpo": (SamplingParams(max_new_tokens=NEW, eos_token_id=[], do_sample=True, temperature=0.1, top_p=0.97,
@@ -39,15 +41,17 @@ def _generate_seconds(driver, prompts, params) -> float:
 
 
 def probe(model, batch: int, compile_model: bool, sampler: str, profile_to=None) -> dict:
-    """Loop ms per decode step ((time of NEW tokens - time of 1 token) / (NEW - 1)) and replay ms of the
-    bucket's graph left at the last step's inputs."""
+    """Loop ms per decode step ((median time of NEW tokens - median time of 1 token) / (NEW - 1)) and replay ms
+    of the bucket's graph left at the last step's inputs."""
     params, autocast = SAMPLERS[sampler]
     driver = SyncCBDriver(model, CBConfig(max_batch_size=batch, compile=compile_model, progress_bar=False))
     prompts = [[10 + (i * 7919 + j * 31) % 100_000 for j in range(PROMPT)] for i in range(batch)]
     first = dataclasses.replace(params, max_new_tokens=1)
     with torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext():
         _generate_seconds(driver, prompts, params)                      # cache, compile, capture
-        loop = (_generate_seconds(driver, prompts, params) - _generate_seconds(driver, prompts, first)) / (NEW - 1)
+        whole = statistics.median(_generate_seconds(driver, prompts, params) for _ in range(REPEATS))
+        prefill = statistics.median(_generate_seconds(driver, prompts, first) for _ in range(REPEATS))
+        loop = (whole - prefill) / (NEW - 1)
         _generate_seconds(driver, prompts, params)                      # leave the buffers at the last step
         graph = driver.graphs.graphs[(batch, sampling_mode([params]))]
         with generation_mode(model), lora_kernels(model, True):
