@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
-CANDIDATES = 64   # with every sampling row's top_k below this, the filters run on torch.topk's candidates
+CANDIDATES = 64       # a row with 0 < top_k <= MAX_CANDIDATE_TOP_K filters the top CANDIDATES tokens only
+MAX_CANDIDATE_TOP_K = 32
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -52,14 +53,19 @@ class SamplingBatch:
     positions: torch.Tensor     # int64 [S], index of the token being sampled among the request's outputs
     any_sample: bool
     any_filter: bool
-    candidates: int = 0         # > 0: filter the top `candidates` tokens (uses_candidates), 0: sort the vocabulary
+    sort_vocabulary: bool = True   # False: every filtered row uses the candidates (uses_candidates)
+
+
+def candidate_row(params) -> bool:
+    """Whether this request's filters run on the top CANDIDATES tokens: a top-k of at most MAX_CANDIDATE_TOP_K
+    (the rest of the vocabulary cannot pass it unless tied with the k-th value, which sample() detects)."""
+    return 0 < params.top_k <= MAX_CANDIDATE_TOP_K
 
 
 def uses_candidates(params) -> bool:
-    """Whether every sampling row's filters start with a top-k below CANDIDATES, so they can run on the top
-    CANDIDATES tokens instead of the sorted vocabulary (ties at the k-th value beyond them are flagged by sample)."""
+    """Whether every sampling row is a candidate row, so no row needs the sorted vocabulary."""
     sampled = [p for p in params if p.do_sample]
-    return bool(sampled) and all(0 < p.top_k < CANDIDATES for p in sampled)
+    return bool(sampled) and all(candidate_row(p) for p in sampled)
 
 
 def sampling_columns(requests) -> dict[str, tuple[list, torch.dtype]]:
@@ -82,15 +88,14 @@ def sampling_batch(requests, device: torch.device) -> SamplingBatch:
                for name, (values, dtype) in sampling_columns(requests).items()}
     params = [r.params for r in requests]
     return SamplingBatch(**columns, any_sample=any(p.do_sample for p in params),
-                         any_filter=any(p.filtered for p in params),
-                         candidates=CANDIDATES if uses_candidates(params) else 0)
+                         any_filter=any(p.filtered for p in params), sort_vocabulary=not uses_candidates(params))
 
 
 def sample_exactly(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """sample(), sampling again from the sorted vocabulary when a top-k tie ran past the candidates (syncs)."""
+    """sample(), again with the sorted vocabulary when a top-k tie ran past the candidates (syncs)."""
     tokens, logprobs, tied = sample(logits, batch)
     if tied is not None and bool(tied.any()):
-        tokens, logprobs, _ = sample(logits, dataclasses.replace(batch, candidates=0))
+        tokens, logprobs, _ = sample(logits, dataclasses.replace(batch, sort_vocabulary=True))
     return tokens, logprobs
 
 
@@ -98,9 +103,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     """Choose one token per row of logits [S, V]: (token ids int64 [S], their logprobs float32 [S], tied).
 
     Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes);
-    greedy rows use temperature 1. With batch.candidates, `tied` (bool [S]) flags the sampling rows whose top-k
-    kept every candidate (values tied with the k-th may lie beyond them): those rows must be sampled again with
-    candidates=0 (sample_exactly); it is None otherwise. No host synchronisation (CUDA-graph safe).
+    greedy rows use temperature 1. Candidate rows (candidate_row) filter the top CANDIDATES tokens, the other
+    filtered rows the sorted vocabulary; a candidate row whose top-k kept every candidate (values tied with the
+    k-th may lie beyond them) takes the sorted vocabulary's draw. Without batch.sort_vocabulary only candidates
+    are computed and `tied` (bool [S]) flags those rows, to be sampled again with sort_vocabulary=True
+    (sample_exactly); `tied` is None otherwise. Which path a row takes depends on its own parameters and logits
+    only, so a request draws the same tokens whatever else is in the batch. No host synchronisation.
     """
     scaled = logits.float() / batch.temperature[:, None] if batch.any_sample else logits.float()
     tokens, tied = scaled.argmax(dim=-1), None
@@ -123,17 +131,30 @@ def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.
 
 
 def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Apply top-k (ties with the k-th value kept, as HF), then top-p, then min-p (each renormalising over what the
-    previous kept), then draw; over the sorted vocabulary, or over the top batch.candidates tokens (the rows whose
-    top-k kept all of them are flagged)."""
+    """Per row: top-k (ties with the k-th value kept, as HF), then top-p, then min-p (each renormalising over what
+    the previous kept), then a draw; over the top CANDIDATES tokens for candidate rows, over the sorted vocabulary
+    for the others. Ties are ordered by token id on both paths, so both make the same draw."""
     vocab = scaled.shape[1]
-    if batch.candidates:
-        values, order = scaled.topk(min(batch.candidates, vocab), dim=-1)
-    else:
-        values, order = scaled.sort(dim=-1, descending=True)
+    values, order = scaled.topk(min(CANDIDATES, vocab), dim=-1)
+    order, by_id = order.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    tokens, tied = _filter_and_draw(values, order.gather(1, by_value), batch)
+    candidate_rows = (batch.top_k > 0) & (batch.top_k <= MAX_CANDIDATE_TOP_K)
+    tied &= batch.do_sample & candidate_rows & (values.shape[1] < vocab)
+    if not batch.sort_vocabulary:
+        return tokens, tied
+    values, order = scaled.sort(dim=-1, descending=True, stable=True)
+    full, _ = _filter_and_draw(values, order, batch)
+    return torch.where(candidate_rows & ~tied, tokens, full), None
+
+
+def _filter_and_draw(values: torch.Tensor, order: torch.Tensor,
+                     batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filters and the draw over values [S, N] sorted descending (token ids `order`); also whether top-k kept
+    all N columns."""
     kth = values.gather(1, (batch.top_k.clamp(min=1, max=values.shape[1]) - 1)[:, None])
     keep = (batch.top_k[:, None] == 0) | (values >= kth)
-    tied = batch.do_sample & keep[:, -1] & (values.shape[1] < vocab) if batch.candidates else None
+    kept_all = keep[:, -1].clone()
     values = values.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(values, dim=-1)
     keep &= (probs.cumsum(dim=-1) - probs) < batch.top_p[:, None]
@@ -142,4 +163,4 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.
     keep &= probs >= batch.min_p[:, None] * probs[:, :1]
     values = values.masked_fill(~keep, float("-inf"))
     choice = _gumbel_argmax(values, batch, order)
-    return order.gather(1, choice[:, None])[:, 0], tied
+    return order.gather(1, choice[:, None])[:, 0], kept_all

@@ -8,7 +8,7 @@ import torch
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.graphs.decode_graphs import (FILTERED, GREEDY, SAMPLE, TOP_K, DecodeGraphs, model_fingerprint,
                                          model_logits, sampling_mode)
-from cb_sync.sampling import CANDIDATES
+from cb_sync.sampling import CANDIDATES, MAX_CANDIDATE_TOP_K
 
 from conftest import hf_greedy, make_model, random_prompts
 
@@ -65,7 +65,8 @@ def test_sampling_mode():
     assert sampling_mode([SamplingParams(do_sample=True), SamplingParams(do_sample=True, min_p=0.1)]) == FILTERED
     grpo = SamplingParams(do_sample=True, temperature=0.1, top_k=5, top_p=0.97, min_p=0.5)
     assert sampling_mode([grpo, SamplingParams()]) == TOP_K
-    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_k=CANDIDATES)]) == FILTERED
+    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_k=MAX_CANDIDATE_TOP_K)]) == TOP_K
+    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_k=MAX_CANDIDATE_TOP_K + 1)]) == FILTERED
     assert sampling_mode([grpo, SamplingParams(do_sample=True, top_p=0.9)]) == FILTERED
 
 
@@ -86,6 +87,22 @@ def test_static_path_top_k_ties_past_the_candidates_sample_the_whole_tie():
     assert TOP_K in modes and FILTERED in modes
     assert [r.token_ids for r in static] == [r.token_ids for r in eager]
     assert len({t for r in static for t in r.token_ids}) > CANDIDATES
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_request_draws_the_same_tokens_alone_and_next_to_one_needing_the_sorted_vocabulary(static):
+    """Logits tied in pairs (tokens i and i + 64 share a row of lm_head): a top-k request keeps its tokens when a
+    top_k=0 request joins the batch and the step's sampler changes."""
+    model = make_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight[64:] = model.lm_head.weight[:64]
+    prompts = random_prompts([7, 9])
+    a = SamplingParams(max_new_tokens=40, do_sample=True, top_k=20, top_p=0.5, seed=1)
+    b = SamplingParams(max_new_tokens=40, do_sample=True, top_p=0.9, seed=2)
+    make = _driver_with_static_path if static else SyncCBDriver
+    alone = make(model).generate(prompts[:1], [a])[0].token_ids
+    together = make(model).generate(prompts, [a, b])[0].token_ids
+    assert alone == together
 
 
 def test_graphs_invalidated_by_storage_swap_and_width_not_by_in_place_update():

@@ -8,18 +8,18 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.sampling import CANDIDATES, SamplingBatch, sample, sample_exactly
+from cb_sync.sampling import CANDIDATES, MAX_CANDIDATE_TOP_K, SamplingBatch, _filter_and_draw, sample, sample_exactly
 
 from conftest import make_model, random_prompts
 
 
-def _batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, candidates=0):
+def _batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, sort_vocabulary=True):
     return SamplingBatch(
         do_sample=torch.ones(rows, dtype=torch.bool), temperature=torch.full((rows,), temperature),
         top_k=torch.full((rows,), top_k), top_p=torch.full((rows,), top_p), min_p=torch.full((rows,), min_p),
         seeds=torch.arange(rows) if seeds is None else seeds,
         positions=torch.zeros(rows, dtype=torch.int64) if positions is None else positions,
-        any_sample=True, any_filter=bool(top_k or top_p < 1 or min_p > 0), candidates=candidates)
+        any_sample=True, any_filter=bool(top_k or top_p < 1 or min_p > 0), sort_vocabulary=sort_vocabulary)
 
 
 def _hf_allowed(logits, temperature, top_k, top_p, min_p):
@@ -126,7 +126,8 @@ def test_peaked_logits_never_sample_another_token():
     logits[:, 7] = 50.0
     tokens, _ = sample_exactly(logits, _batch(rows, seeds=torch.full((rows,), 12345), positions=torch.arange(rows)))
     assert (tokens == 7).all()
-    filtered, _ = sample_exactly(logits[:32], _batch(32, top_k=1, seeds=torch.full((32,), 12345), positions=torch.arange(32)))
+    filtered, _ = sample_exactly(logits[:32], _batch(32, top_k=1, seeds=torch.full((32,), 12345),
+                                                     positions=torch.arange(32)))
     assert (filtered == 7).all()
 
 
@@ -139,31 +140,82 @@ def test_top_k_keeps_ties_like_hf():
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 5, 1.0, 0.0), (0.1, 5, 0.97, 0.5), (1.0, 20, 0.5, 0.05), (1.3, CANDIDATES - 1, 0.9, 0.0)])
-def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, top_p, min_p):
-    """Without ties at the k-th value, filtering the top CANDIDATES tokens draws exactly what the sorted
-    vocabulary draws (the noise is keyed by token id)."""
+    (1.0, 5, 1.0, 0.0), (0.1, 5, 0.97, 0.5), (1.0, 20, 0.5, 0.05), (1.3, MAX_CANDIDATE_TOP_K, 0.9, 0.0)])
+@pytest.mark.parametrize("bf16_logits", [False, True])
+def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, top_p, min_p, bf16_logits):
+    """A candidate row draws exactly what the filters over the whole sorted vocabulary draw (the noise is keyed by
+    token id, ties are ordered by id on both paths), also with the many exact ties of bf16 logits."""
     torch.manual_seed(0)
-    rows = 256
-    logits = torch.randn(rows, 1000) * 3
+    rows = 512
+    logits = torch.randn(rows, 5000) * 3
+    if bf16_logits:
+        logits = logits.bfloat16().float()
     for step in range(3):
-        positions = torch.full((rows,), step)
-        full, full_logprobs, no_flag = sample(logits, _batch(rows, temperature, top_k, top_p, min_p, positions=positions))
-        fast, fast_logprobs, tied = sample(logits, _batch(rows, temperature, top_k, top_p, min_p, positions=positions,
-                                                          candidates=CANDIDATES))
-        assert no_flag is None and not tied.any()
-        assert torch.equal(fast, full) and torch.equal(fast_logprobs, full_logprobs)
+        batch = _batch(rows, temperature, top_k, top_p, min_p, positions=torch.full((rows,), step),
+                       sort_vocabulary=False)
+        fast, _, tied = sample(logits, batch)
+        assert not tied.any()
+        scaled = logits / temperature
+        values, order = scaled.sort(dim=-1, descending=True, stable=True)
+        full, _ = _filter_and_draw(values, order, batch)
+        assert torch.equal(fast, full)
         assert len(set(fast.tolist())) > 1
+
+
+@pytest.mark.parametrize("sort_vocabulary", [False, True])
+def test_candidate_rows_stay_in_hf_allowed_set(sort_vocabulary):
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 300) * 3).bfloat16().float()
+    allowed, _ = _hf_allowed(logits, 0.1, 5, 0.97, 0.5)
+    for step in range(10):
+        tokens, _ = sample_exactly(logits, _batch(64, 0.1, 5, 0.97, 0.5, positions=torch.full((64,), step),
+                                                  sort_vocabulary=sort_vocabulary))
+        assert allowed[torch.arange(64), tokens].all()
 
 
 def test_top_k_ties_past_the_candidates_are_flagged_and_sampled_from_the_whole_tie():
     rows, tie = 2000, 3 * CANDIDATES
     logits = torch.randn(rows, 1000)
     logits[:, 100:100 + tie] = 10.0           # HF's top-k with k=5 keeps every token tied with the 5th
-    batch = _batch(rows, top_k=5, seeds=torch.arange(rows), candidates=CANDIDATES)
+    batch = _batch(rows, top_k=5, seeds=torch.arange(rows), sort_vocabulary=False)
     _, _, tied = sample(logits, batch)
     assert tied.all()
     tokens, _ = sample_exactly(logits, batch)
     allowed, _ = _hf_allowed(logits[:1], 1.0, 5, 1.0, 0.0)
     assert allowed[0, tokens].all()
     assert len(set(tokens.tolist())) > CANDIDATES     # drawn beyond the first CANDIDATES tied tokens
+
+
+def test_a_row_draws_the_same_whatever_path_the_other_rows_need():
+    """A candidate row next to a row that needs the sorted vocabulary (top_k 0) draws what it draws alone."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 5000) * 3).bfloat16().float()
+    alone = _batch(1, 1.0, 20, 0.5, 0.0, seeds=torch.tensor([7]), sort_vocabulary=False)
+    mixed = _batch(2, 1.0, 20, 0.5, 0.0, seeds=torch.tensor([7, 8]))
+    mixed.top_k[1] = 0
+    for step in range(50):
+        alone.positions[:] = step
+        mixed.positions[:] = step
+        assert sample(logits[:1], alone)[0][0] == sample(logits, mixed)[0][0]
+
+
+def test_candidate_rows_take_the_candidates_draw_when_the_batch_also_sorts(monkeypatch):
+    """Routing: with the sorted vocabulary computed for another row, a candidate row still takes its candidates'
+    draw (float sums over 64 or over all columns may round apart on a GPU), a tied or non-candidate row the other."""
+    import cb_sync.sampling as sampling
+    real = sampling._filter_and_draw
+
+    def full_path_draws_token_0(values, order, batch):
+        tokens, kept_all = real(values, order, batch)
+        return (tokens * 0 if values.shape[1] == 5000 else tokens), kept_all
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5000) * 3
+    logits[2, 100:100 + 2 * CANDIDATES] = 20.0          # row 2: a top-k tie past the candidates
+    alone, _, _ = sample(logits[:1], _batch(1, 1.0, 20, 0.5, sort_vocabulary=False))
+    monkeypatch.setattr(sampling, "_filter_and_draw", full_path_draws_token_0)
+    batch = _batch(3, 1.0, 20, 0.5)
+    batch.top_k[1] = 0
+    tokens, _, tied = sample(logits, batch)
+    assert tied is None
+    assert tokens.tolist() == [alone[0].item(), 0, 0]

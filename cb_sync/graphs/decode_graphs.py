@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from ..attention import AttnMetadata
 from ..model_state import base_model
-from ..sampling import CANDIDATES, SamplingBatch, sample, sampling_columns, uses_candidates
+from ..sampling import SamplingBatch, sample, sampling_columns, uses_candidates
 from .buckets import bucket_for, decode_buckets
 from .step_inputs import StepInputs
 
@@ -21,8 +21,8 @@ GREEDY, SAMPLE, TOP_K, FILTERED = 0, 1, 2, 3
 
 
 def sampling_mode(batch_params) -> int:
-    """The cheapest sampler that serves every row: greedy, plain sampling, filters on the top-k candidates
-    (every sampling row has a small top_k), or filters on the sorted vocabulary."""
+    """The cheapest sampler that serves every row: greedy, plain sampling, filters on the top candidates only
+    (every sampling row has a small top_k: sampling.uses_candidates), or filters that may sort the vocabulary."""
     batch_params = list(batch_params)
     if not any(p.do_sample for p in batch_params):
         return GREEDY
@@ -96,8 +96,8 @@ class DecodeGraphs:
 
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
-        self.inputs = StepInputs(n, self.width, device)
-        fields = self.inputs.device
+        self.step_inputs = StepInputs(n, self.width, device)
+        fields = self.step_inputs.views
         self.input_ids, self.positions, self.slots = fields["input_ids"], fields["positions"], fields["slots"]
         self.tables, self.seq_lens = fields["tables"], fields["seq_lens"]
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -130,7 +130,7 @@ class DecodeGraphs:
         params = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
                                s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
                                any_sample=mode != GREEDY, any_filter=mode in (TOP_K, FILTERED),
-                               candidates=CANDIDATES if mode == TOP_K else 0)
+                               sort_vocabulary=mode != TOP_K)
         tokens, logprobs, tied = sample(logits, params)
         self.out_tokens[:bucket].copy_(tokens)
         self.out_logprobs[:bucket].copy_(logprobs)
@@ -148,6 +148,7 @@ class DecodeGraphs:
         """Capture every bucket for this sampling mode, largest first, into the shared pool."""
         self.slots.fill_(-1)
         self.seq_lens.zero_()
+        self.tables.zero_()
         if self.cache.device.type != "cuda":       # no capture off CUDA: replay runs the step itself
             if self.compiled:
                 self._warm_up(self.max_batch, mode)
@@ -211,17 +212,17 @@ class DecodeGraphs:
         if (bucket, mode) not in self.graphs:
             self._capture_all(mode)
         self._fill_host(requests, bucket, mode)
-        self.inputs.upload()
+        self.step_inputs.upload()
         self.graphs[(bucket, mode)].replay()
-        tokens, logprobs, tied = self._read(n)
-        if mode == TOP_K and any(tied):
-            # a top-k tie ran past the candidates (rare): the same step, uncaptured, over the sorted vocabulary
+        tokens, logprobs, tied = self._read(n, mode)    # waits for the step: the host buffer is free again
+        if any(tied):
+            # a top-k tie ran past the candidates (rare): the same step, uncaptured, with the sorted vocabulary
             self.step(bucket, FILTERED)
-            tokens, logprobs, _ = self._read(n)
+            tokens, logprobs, _ = self._read(n, FILTERED)
         return tokens, logprobs
 
     def _fill_host(self, requests, bucket: int, mode: int) -> None:
-        host, block_size, n = self.inputs.host, self.cache.block_size, len(requests)
+        host, block_size, n = self.step_inputs.host, self.cache.block_size, len(requests)
         ids, positions, slots = [], [], []
         tables = host["tables"]
         tables[:bucket] = 0                 # padded rows: no stale block ids from an earlier, larger cache
@@ -240,10 +241,12 @@ class DecodeGraphs:
             for name, (values, _) in sampling_columns(requests).items():
                 host["sample_positions" if name == "positions" else name][:n] = values
 
-    def _read(self, n: int) -> tuple[list[int], list[float], list[bool]]:
-        host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double(),
-                            self.out_tied[:n].double()]).tolist()
-        return [int(t) for t in host[0]], host[1], [bool(t) for t in host[2]]
+    def _read(self, n: int, mode: int) -> tuple[list[int], list[float], list[bool]]:
+        """The step's tokens, logprobs and (TOP_K mode) tied flags on the host."""
+        outputs = [self.out_tokens[:n], self.out_logprobs[:n]] + ([self.out_tied[:n]] if mode == TOP_K else [])
+        host = torch.stack([t.double() for t in outputs]).tolist()
+        tied = [bool(t) for t in host[2]] if mode == TOP_K else [False] * n
+        return [int(t) for t in host[0]], host[1], tied
 
 
 class _EagerStep:
