@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import build_model, floor_seconds_per_step, markdown_table, write_results
+from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, markdown_table, write_results
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.graphs.decode_graphs import GREEDY
 from cb_sync.lora import lora_kernels as lora_kernels_for
@@ -96,6 +97,7 @@ def main(argv=None):
     parser.add_argument("--peft-lora", action="store_true", help="PEFT's LoRA forward instead of the LoRA kernel")
     parser.add_argument("--profile", default=None, help="append kernel profiles to this file")
     parser.add_argument("--name", default="decode_graphs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     model = build_model(lora=True)
     rows = []
@@ -115,7 +117,7 @@ def main(argv=None):
         ["LoRA", "batch", "eager ms", "graph ms" + (" (compiled)" if args.compile else ""), "floor ms", "of floor"],
         [["yes" if r["lora"] else "no", r["batch"], r["eager_ms"], r["graph_ms"], r["floor_ms"],
           f"{r['graph_pct_of_floor']}%"] for r in rows])
-    write_results(args.name, rows, table)
+    write_results(args.name, rows, table, args.out)
     print(table)
 
 

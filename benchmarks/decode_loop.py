@@ -11,10 +11,11 @@ import contextlib
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import build_model, markdown_table, write_results
+from benchmarks.common import RESULTS, build_model, markdown_table, write_results
 from benchmarks.decode_graphs import _ms_per_call, kernel_profile
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.graphs.decode_graphs import sampling_mode
@@ -71,6 +72,7 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--profile", default=None, help="append kernel profiles of the replays to this file")
     parser.add_argument("--name", default="decode_loop")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     model = build_model(lora=True)
     rows = []
@@ -82,7 +84,7 @@ def main(argv=None):
             print(rows[-1], flush=True)
     table = markdown_table(["batch", "sampler", "loop ms / step", "replay ms", "host ms"],
                            [[r["batch"], r["sampler"], r["loop_ms"], r["replay_ms"], r["host_ms"]] for r in rows])
-    write_results(args.name, rows, table)
+    write_results(args.name, rows, table, args.out)
     print(table)
 
 

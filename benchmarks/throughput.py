@@ -2,6 +2,7 @@
 
 cb_sync and its peers run in one process on the same card; the table gives ratios from this run only.
     python -m benchmarks.throughput [--batches 4 32 128] [--engines cb_sync cb_sync_compiled hf_generate ...]
+    python -m benchmarks.throughput --tiny --out DIR     # CPU plumbing check: tiny Qwen3, fp32, a few tokens
 
 Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's LoRA forward), cb_sync_compiled
 (+ torch.compile; run after the others so that one compile serves every batch), hf_generate, hf_generate_static
@@ -14,6 +15,7 @@ import argparse
 import contextlib
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,12 +23,16 @@ from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, mark
 
 
 def _timed(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    """Seconds and peak GiB of GPU memory (0 on the CPU) of fn()."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
 
 
 def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True):
@@ -70,7 +76,7 @@ def _mean_ms(values: list[float]):
 def run_hf_generate(model, prompts, new_tokens, static=False):
     """HF `generate` with its dynamic cache, or with a static cache (which `generate` compiles: timed warm, after
     a first call that compiles for this batch size)."""
-    ids = torch.tensor(prompts, device="cuda")
+    ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
     extra = {}
@@ -87,7 +93,7 @@ def run_transformers_cb(model, prompts, new_tokens):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cb_config = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.5)
+    cb_config = ContinuousBatchingConfig(use_cuda_graph=model.device.type == "cuda", max_memory_percent=0.5)
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     target.set_attn_implementation("paged|sdpa")
     try:
@@ -120,16 +126,24 @@ def main(argv=None):
     parser.add_argument("--no-lora-engines", nargs="*", default=["cb_sync"], choices=list(ENGINES),
                         help="engines that also run with the adapter disabled")
     parser.add_argument("--name", default="throughput")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU plumbing check: tiny Qwen3 in fp32, batches 2 and 4, 8-token prompts, 8 new tokens")
     parser.add_argument("--from-json", action="store_true",
-                        help="measure nothing: redraw results/<name>.md and .png from results/<name>.json")
+                        help="measure nothing: redraw <out>/<name>.md and .png from <out>/<name>.json")
     args = parser.parse_args(argv)
     if args.from_json:
-        rows = json.loads((RESULTS / f"{args.name}.json").read_text())
-        (RESULTS / f"{args.name}.md").write_text(_table(rows))
-        plot(rows, RESULTS / f"{args.name}.png")
+        rows = json.loads((args.out / f"{args.name}.json").read_text())
+        (args.out / f"{args.name}.md").write_text(_table(rows))
+        plot(rows, args.out / f"{args.name}.png")
         return
-
-    model = build_model(lora=True)
+    if args.tiny:
+        args.batches, args.prompt_len, args.new_tokens = [2, 4], 8, 8
+        if args.engines == list(DEFAULT_ENGINES):       # transformers CB spends ~10 s a call starting on the CPU
+            args.engines = ["cb_sync", "hf_generate"]
+        model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
+    else:
+        model = build_model(lora=True)
     gen = torch.Generator().manual_seed(0)
     prompts = {batch: torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
                for batch in args.batches}
@@ -151,14 +165,16 @@ def main(argv=None):
             continue
         tok_s = batch * args.new_tokens / seconds
         floor = args.new_tokens * floor_seconds_per_step(batch, args.prompt_len + args.new_tokens // 2, lora)
-        rows.append({"engine": engine, "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
+        rows.append({"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora,
+                     "batch": batch,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "tok_per_s": round(tok_s, 1), "seconds": round(seconds, 2), "peak_gib": round(peak, 2),
-                     "pct_of_floor": round(100 * floor / seconds, 1), **extra})
+                     "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1), **extra})
         print(rows[-1], flush=True)
-        write_results(args.name, rows, _table(rows))   # after every row: a run cut short keeps what it measured
-    plot(rows, RESULTS / f"{args.name}.png")
+        write_results(args.name, rows, _table(rows), args.out)   # after every row: a run cut short keeps its rows
+    plot(rows, args.out / f"{args.name}.png")
     print(_table(rows))
+    return rows
 
 
 def plot(rows: list[dict], path) -> None:
@@ -197,7 +213,8 @@ def _table(rows):
                     and row["engine"] not in PEERS:
                 ratios.append(f"{row['tok_per_s'] / peer['tok_per_s']:.1f}x {peer['engine']}")
         out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"], row["peak_gib"],
-                    f"{row['pct_of_floor']}%", row.get("first_call_s", "-"), ", ".join(ratios) or "-"])
+                    "-" if row["pct_of_floor"] is None else f"{row['pct_of_floor']}%", row.get("first_call_s", "-"),
+                    ", ".join(ratios) or "-"])
     return markdown_table(["engine", "LoRA", "batch", "tok/s", "peak GiB", "of floor", "first call s",
                            "vs peer (same run)"], out)
 
