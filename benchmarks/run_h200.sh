@@ -3,6 +3,7 @@
 #   bash benchmarks/run_h200.sh tests                         GPU tests (kernels, graphs, invalidation, 4B logprobs)
 #   bash benchmarks/run_h200.sh throughput [ARGS]             Workload T vs HF generate and transformers CB
 #   bash benchmarks/run_h200.sh decode [ARGS]                 decode-step probe per bucket, eager vs graph
+#   bash benchmarks/run_h200.sh loop [ARGS]                   driver-loop probe: wall ms per step vs replay
 #   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs trl/datasets wheels in .whl/
 #     (the image's own pyarrow is used: a carried pyarrow wheel is left out)
 set -o pipefail
@@ -19,6 +20,8 @@ case "$stage" in
   decode)
     timeout 550 python -m benchmarks.decode_graphs "$@" 2>&1 | tee "$OUT/decode_graphs.log"
     cp benchmarks/results/decode_graphs.* "$OUT/" 2>/dev/null ;;
+  loop)
+    timeout 550 python -m benchmarks.decode_loop --out "$OUT" "$@" 2>&1 | tee "$OUT/decode_loop.log" ;;
   grpo)
     rm -rf /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
