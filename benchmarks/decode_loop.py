@@ -24,12 +24,12 @@ from cb_sync.model_state import generation_mode
 
 PROMPT, NEW = 256, 128
 REPEATS = 3          # medians of three calls each
-SAMPLERS = {
+GRPO = SamplingParams(max_new_tokens=NEW, eos_token_id=[], do_sample=True, temperature=0.1, top_p=0.97, min_p=0.5,
+                      top_k=5, seed=0)
+SAMPLERS = {   # name: (params, under bf16 autocast)
     "greedy": (SamplingParams(max_new_tokens=NEW, eos_token_id=[]), False),
-    "grpo": (SamplingParams(max_new_tokens=NEW, eos_token_id=[], do_sample=True, temperature=0.1, top_p=0.97,
-                            min_p=0.5, top_k=5, seed=0), False),
-    "grpo_autocast": (SamplingParams(max_new_tokens=NEW, eos_token_id=[], do_sample=True, temperature=0.1,
-                                           top_p=0.97, min_p=0.5, top_k=5, seed=0), True),
+    "grpo": (GRPO, False),
+    "grpo_autocast": (GRPO, True),
 }
 
 

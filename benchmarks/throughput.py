@@ -166,8 +166,7 @@ def main(argv=None):
         tok_s = batch * args.new_tokens / seconds
         floor = args.new_tokens * floor_seconds_per_step(batch, args.prompt_len + args.new_tokens // 2, lora)
         rows.append({"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora,
-                     "batch": batch,
-                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "tok_per_s": round(tok_s, 1), "seconds": round(seconds, 2), "peak_gib": round(peak, 2),
                      "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1), **extra})
         print(rows[-1], flush=True)
