@@ -38,12 +38,12 @@ def peft_and_kernel(model, layer, x):
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
-    original = kernels.lora_add
+    original = kernels.lora_add_group
 
     def counting(*args):
         calls.append(args[0].shape[0])
         return original(*args)
-    monkeypatch.setattr(kernels, "lora_add", counting)
+    monkeypatch.setattr(kernels, "lora_add_group", counting)
     return calls
 
 
@@ -180,3 +180,55 @@ def test_hooks_gradients_and_large_ranks_keep_peft_forward(spy):
     with torch.no_grad(), lora_kernels(big):
         big_layer(x)
     assert spy == []
+
+
+def _decoder_with_lora(arch="qwen3"):
+    from conftest import make_model
+    return make_model(arch, lora=True).to(DEVICE)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_projections_that_share_an_input_take_one_launch_pair(arch, spy):
+    """q/k/v and gate/up: the first member called computes all of them (one kernel call), the others take their
+    outputs; the whole model's logits match PEFT's forward."""
+    model = _decoder_with_lora(arch)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]], device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with lora_kernels(model):
+            got = model(ids).logits
+    layers = model.config.num_hidden_layers
+    assert sorted(spy) == [7] * (4 * layers)          # per layer: q/k/v, o, gate/up, down
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sibling_called_on_another_tensor_computes_its_own_output(spy):
+    model = _decoder_with_lora()
+    attention = model.base_model.model.model.layers[0].self_attn
+    x, other = torch.randn(1, 3, 64, device=DEVICE), torch.randn(1, 3, 64, device=DEVICE)
+    with torch.no_grad():
+        expected = [attention.q_proj(x), attention.k_proj(other), attention.v_proj(x), attention.k_proj(x)]
+        with lora_kernels(model):
+            got = [attention.q_proj(x), attention.k_proj(other), attention.v_proj(x), attention.k_proj(x)]
+    assert len(spy) == 3        # q (with k and v for x), k on `other`, v takes its kept output, k on x again
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_group_kernel_matches_each_member_alone():
+    """Members of different widths and ranks in one launch pair equal each computed alone."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 300, device=DEVICE)
+    shapes = [(70, 8), (24, 4), (130, 16)]
+    bases = [torch.randn(5, n, device=DEVICE) for n, _ in shapes]
+    lora_as = [torch.randn(r, 300, device=DEVICE) for _, r in shapes]
+    lora_bs = [torch.randn(n, r, device=DEVICE) for n, r in shapes]
+    scalings = [0.5, 2.0, 1.5]
+    together = kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings)
+    for i in range(3):
+        alone = kernels.lora_add(x, bases[i], lora_as[i], lora_bs[i], scalings[i])
+        assert torch.equal(together[i], alone)
+        torch.testing.assert_close(alone, bases[i] + scalings[i] * (x @ lora_as[i].T) @ lora_bs[i].T,
+                                   atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="1 to 3 members"):
+        kernels.lora_add_group(x, bases + bases[:1], lora_as + lora_as[:1], lora_bs + lora_bs[:1], scalings + [1.0])

@@ -5,6 +5,10 @@ PEFT's function, also under autocast; anything it does not cover goes to PEFT's 
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
 (accelerate offload), weights on another device, ranks above MAX_RANK, more than MAX_ROWS rows, extra
 arguments, gradients to compute, non-Linear base layers.
+
+Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
+computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
+returns its output instead of computing it.
 """
 
 from __future__ import annotations
@@ -17,12 +21,53 @@ MAX_ROWS = 256   # decode-sized steps; larger (prefill) steps are GEMM-bound and
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
 
 
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # HF names of projections that
+# read one tensor, called in a row by the attention and MLP forwards of Llama, Qwen, Mistral, Gemma and the like
+
+
 def _lora_linears(model: torch.nn.Module):
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:
         return []
-    return [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.base_layer, torch.nn.Linear)]
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and isinstance(m.base_layer, torch.nn.Linear)]
+
+
+class _SharedInput:
+    """Projections that read one input. The first one called computes every member's output with one kernel pair
+    and keeps the others' outputs; a member called next on that same tensor takes its own instead of computing."""
+
+    def __init__(self, modules: list):
+        self.modules = modules
+        self.input = None
+        self.outputs = [None] * len(modules)
+
+    def take(self, index: int, x: torch.Tensor):
+        out = self.outputs[index]
+        if out is None or self.input is not x:
+            return None
+        self.outputs[index] = None
+        return out
+
+    def keep(self, x: torch.Tensor, outputs: dict):
+        self.input = x
+        self.outputs = [outputs.get(index) for index in range(len(self.modules))]
+
+
+def _shared_input_groups(named: list) -> list:
+    """(group, index) for each module: siblings named in SHARED_INPUT share a group, the rest are alone."""
+    by_name = dict(named)
+    placed = {}
+    for name, _ in named:
+        parent, _, child = name.rpartition(".")
+        for siblings in SHARED_INPUT:
+            members = [f"{parent}.{s}" if parent else s for s in siblings]
+            members = [m for m in members if m in by_name and m not in placed]
+            if child in siblings and len(members) > 1:
+                group = _SharedInput([by_name[m] for m in members])
+                placed.update({m: (group, i) for i, m in enumerate(members)})
+    return [placed.get(name) or (_SharedInput([module]), 0) for name, module in named]
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -52,26 +97,42 @@ def _kernel_adapter(module, x: torch.Tensor):
     return weights[0], weights[1], module.scaling[name], compute
 
 
-def _kernel_forward(module, peft_forward):
+def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        adapter = None if args or kwargs else _kernel_adapter(module, x)
+        if args or kwargs:
+            return peft_forward(x, *args, **kwargs)
+        kept = group.take(index, x)
+        if kept is not None:
+            return kept
+        adapter = _kernel_adapter(module, x)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
-        result = module.base_layer(x)
-        out = torch.ops.cb_sync.lora_add(x.reshape(-1, x.shape[-1]), result.reshape(-1, result.shape[-1]), *adapter)
-        return out.view(result.shape)
+        members = {index: adapter}
+        for other_index, other in enumerate(group.modules):
+            other_adapter = None if other_index == index else _kernel_adapter(other, x)
+            same_dtypes = other_adapter is not None and other_adapter[0].dtype == adapter[0].dtype
+            if same_dtypes and other_adapter[3] == adapter[3]:
+                members[other_index] = other_adapter
+        results = [group.modules[i].base_layer(x) for i in members]
+        outs = torch.ops.cb_sync.lora_add_group(
+            x.reshape(-1, x.shape[-1]), [r.reshape(-1, r.shape[-1]) for r in results],
+            [a[0] for a in members.values()], [a[1] for a in members.values()], [a[2] for a in members.values()],
+            adapter[3])
+        outs = {i: out.view(result.shape) for i, out, result in zip(members, outs, results)}
+        group.keep(x, {i: out for i, out in outs.items() if i != index})
+        return outs[index]
     return forward
 
 
 @contextmanager
 def lora_kernels(model: torch.nn.Module, enabled: bool = True):
     """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies."""
-    modules = _lora_linears(model) if enabled else []
-    if modules:
-        from cb_sync.lora import ops  # noqa: F401  (registers torch.ops.cb_sync.lora_add)
-    patched = [(module, module.__dict__.get("forward")) for module in modules]   # keep e.g. accelerate hooks
-    for module, _ in patched:
-        module.forward = _kernel_forward(module, module.forward)
+    named = _lora_linears(model) if enabled else []
+    if named:
+        from cb_sync.lora import ops  # noqa: F401  (registers torch.ops.cb_sync.lora_add_group)
+    patched = [(module, module.__dict__.get("forward")) for _, module in named]   # keep e.g. accelerate hooks
+    for (module, _), (group, index) in zip(patched, _shared_input_groups(named)):
+        module.forward = _kernel_forward(module, module.forward, group, index)
     try:
         yield
     finally:

@@ -5,13 +5,14 @@ import torch
 from cb_sync.lora import kernels
 
 
-@torch.library.custom_op("cb_sync::lora_add", mutates_args=())
-def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             scaling: float, compute_dtype: torch.dtype) -> torch.Tensor:
-    """base + scaling * B(A(x)) with PEFT's roundings; see `kernels.lora_add`."""
-    return kernels.lora_add(x, base, lora_a, lora_b, scaling, compute_dtype)
+@torch.library.custom_op("cb_sync::lora_add_group", mutates_args=())
+def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor],
+                   lora_bs: list[torch.Tensor], scalings: list[float],
+                   compute_dtype: torch.dtype) -> list[torch.Tensor]:
+    """bases[i] + scalings[i] * B_i(A_i(x)) with PEFT's roundings; see `kernels.lora_add_group`."""
+    return kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype)
 
 
-@lora_add.register_fake
-def _(x, base, lora_a, lora_b, scaling, compute_dtype) -> torch.Tensor:
-    return torch.empty_like(base)
+@lora_add_group.register_fake
+def _(x, bases, lora_as, lora_bs, scalings, compute_dtype) -> list[torch.Tensor]:
+    return [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
