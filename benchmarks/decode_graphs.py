@@ -1,6 +1,6 @@
 """Decode-step probe: milliseconds per pure-decode step per bucket, eager vs graph replay (vs compiled graph),
 with and without LoRA, and % of the bandwidth floor. Every row of the batch has a 384-token context.
-    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--peft-lora | --lora-alone] [--profile FILE]
+    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--peft-lora | --lora-alone | --base-by-torch] [--profile FILE]
 
 --profile appends, per probe, the GPU kernels of five graph replays grouped by kind (GEMM, Triton, attention,
 copies, other: count and microseconds per step) and the top kernels by GPU time.
@@ -97,24 +97,29 @@ def main(argv=None):
     parser.add_argument("--peft-lora", action="store_true", help="PEFT's LoRA forward instead of the LoRA kernel")
     parser.add_argument("--lora-alone", action="store_true",
                         help="one LoRA kernel launch pair per projection (no shared-input groups), for comparison")
+    parser.add_argument("--base-by-torch", action="store_true",
+                        help="the LoRA kernel adds to torch's base GEMMs instead of computing them itself")
     parser.add_argument("--profile", default=None, help="append kernel profiles to this file")
     parser.add_argument("--name", default="decode_graphs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.lora_alone:
         fast_forward.SHARED_INPUT = ()
+    if args.base_by_torch:
+        fast_forward.FUSED_BASE_MAX_ROWS = 0
     model = build_model(lora=True)
     rows = []
     for batch in args.batches:
         for lora in (True, False):
-            path = "PEFT" if args.peft_lora else "kernel alone" if args.lora_alone else "kernel"
+            path = ("PEFT" if args.peft_lora else "kernel alone" if args.lora_alone
+                    else "kernel, base by torch" if args.base_by_torch else "kernel")
             label = (f"batch {batch}, LoRA {path if lora else 'off'}, "
                      f"compile {'on' if args.compile else 'off'}")
             with contextlib.nullcontext() if lora else model.disable_adapter():
                 times = probe(model, batch, args.compile, not args.peft_lora, args.profile, label)
             floor_ms = 1e3 * floor_seconds_per_step(batch, CONTEXT, lora)
             rows.append({"engine": "cb_sync", "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
-                         "lora_path": path.replace(" ", "_").lower() if lora else None,
+                         "lora_path": path.replace(",", "").replace(" ", "_").lower() if lora else None,
                          "context": CONTEXT, "compile": args.compile, **times, "floor_ms": round(floor_ms, 2),
                          "graph_pct_of_floor": round(100 * floor_ms / times["graph_ms"], 1)})
             print(rows[-1], flush=True)

@@ -8,7 +8,8 @@ arguments, gradients to compute, non-Linear base layers.
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
 computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
-returns its output instead of computing it.
+returns its output instead of computing it. Up to FUSED_BASE_MAX_ROWS rows the pair also computes the base layers'
+GEMMs (no separate base launch), where the base layers allow it (`_base_fusable`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 MAX_ROWS = 256   # decode-sized steps; larger (prefill) steps are GEMM-bound and keep PEFT's path
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
+FUSED_BASE_MAX_ROWS = 128   # up to this many rows the kernel also computes the base layers' GEMMs
 
 
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # HF names of projections that
@@ -97,6 +99,15 @@ def _kernel_adapter(module, x: torch.Tensor):
     return weights[0], weights[1], module.scaling[name], compute
 
 
+def _base_fusable(layers: list, x: torch.Tensor) -> bool:
+    """Whether the kernel computes the base layers too: up to FUSED_BASE_MAX_ROWS rows, no autocast, weights of
+    x's dtype and device, biases on all layers or none, no hooks on them."""
+    weights = [layer.weight for layer in layers]
+    return (x.shape[:-1].numel() <= FUSED_BASE_MAX_ROWS and not torch.is_autocast_enabled(x.device.type)
+            and all(w.dtype == x.dtype and w.device == x.device for w in weights)
+            and len({layer.bias is None for layer in layers}) == 1 and not any(_hooked(layer) for layer in layers))
+
+
 def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs:
@@ -113,12 +124,18 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
             same_dtypes = other_adapter is not None and other_adapter[0].dtype == adapter[0].dtype
             if same_dtypes and other_adapter[3] == adapter[3]:
                 members[other_index] = other_adapter
-        results = [group.modules[i].base_layer(x) for i in members]
-        outs = torch.ops.cb_sync.lora_add_group(
-            x.reshape(-1, x.shape[-1]), [r.reshape(-1, r.shape[-1]) for r in results],
-            [a[0] for a in members.values()], [a[1] for a in members.values()], [a[2] for a in members.values()],
-            adapter[3])
-        outs = {i: out.view(result.shape) for i, out, result in zip(members, outs, results)}
+        lora = ([a[0] for a in members.values()], [a[1] for a in members.values()], [a[2] for a in members.values()])
+        layers = [group.modules[i].base_layer for i in members]
+        rows = x.reshape(-1, x.shape[-1])
+        if _base_fusable(layers, x):
+            biases = [layer.bias for layer in layers if layer.bias is not None]
+            outs = torch.ops.cb_sync.lora_linear_group(rows, [layer.weight for layer in layers], biases, *lora,
+                                                       adapter[3])
+        else:
+            results = [layer(x) for layer in layers]
+            outs = torch.ops.cb_sync.lora_add_group(rows, [r.reshape(-1, r.shape[-1]) for r in results], *lora,
+                                                    adapter[3])
+        outs = {i: out.view(*x.shape[:-1], out.shape[-1]) for i, out in zip(members, outs)}
         group.keep(x, {i: out for i, out in outs.items() if i != index})
         return outs[index]
     return forward
@@ -129,7 +146,7 @@ def lora_kernels(model: torch.nn.Module, enabled: bool = True):
     """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies."""
     named = _lora_linears(model) if enabled else []
     if named:
-        from cb_sync.lora import ops  # noqa: F401  (registers torch.ops.cb_sync.lora_add_group)
+        from cb_sync.lora import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
     patched = [(module, module.__dict__.get("forward")) for _, module in named]   # keep e.g. accelerate hooks
     for (module, _), (group, index) in zip(patched, _shared_input_groups(named)):
         module.forward = _kernel_forward(module, module.forward, group, index)

@@ -22,6 +22,13 @@ BLOCK_M = 16          # rows per program
 SHRINK_SPLIT_K = 128  # input features per shrink program, loaded SHRINK_BLOCK_K at a time
 SHRINK_BLOCK_K = 128  # (benchmarks/NOTES.md, attempt 8)
 EXPAND_BLOCK_N = 64
+
+
+def _fused_tiles(rows: int) -> tuple[int, int, int]:
+    """(rows, columns, input features) of an expand program that also computes the base GEMM."""
+    return min(64, max(16, triton.next_power_of_2(rows))), 32 if rows <= 16 else 64, 128 if rows <= 32 else 64
+
+
 _NATIVE_DOTS = os.environ.get("TRITON_INTERPRET") != "1"
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -101,25 +108,48 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K,
 @triton.jit
 def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, base2_ptr, out0_ptr, out1_ptr,
                    out2_ptr, n0, n1, n2, r0, r1, r2, s0, s1, s2, M, num_splits,
-                   COMPUTE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, K, stride_xm,
+                   COMPUTE: tl.constexpr, NATIVE: tl.constexpr, FUSED_BASE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   X_IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_R: tl.constexpr):
-    """Program (column tile over all members, row tile): out = base + round(round(xa @ B^T) * scaling)."""
+    """Program (column tile over all members, row tile): out = base + round(round(xa @ B^T) * scaling), base read
+    from memory, or with FUSED_BASE computed here as x @ W^T (+ bias) rounded to the output dtype."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     tiles0 = tl.cdiv(n0, BLOCK_N)
     tiles1 = tl.cdiv(n1, BLOCK_N)
     if pid_n < tiles0:
-        member, tile, b_ptr, base_ptr, out_ptr, N, R, scaling = 0, pid_n, b0_ptr, base0_ptr, out0_ptr, n0, r0, s0
+        member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (0, pid_n, b0_ptr, base0_ptr, out0_ptr, w0_ptr,
+                                                                   bias0_ptr)
+        N, R, scaling = n0, r0, s0
     elif pid_n < tiles0 + tiles1:
-        member, tile, b_ptr, base_ptr, out_ptr, N, R, scaling = (1, pid_n - tiles0, b1_ptr, base1_ptr, out1_ptr,
-                                                                  n1, r1, s1)
+        member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (1, pid_n - tiles0, b1_ptr, base1_ptr, out1_ptr,
+                                                                   w1_ptr, bias1_ptr)
+        N, R, scaling = n1, r1, s1
     else:
-        member, tile, b_ptr, base_ptr, out_ptr, N, R, scaling = (2, pid_n - tiles0 - tiles1, b2_ptr, base2_ptr,
-                                                                  out2_ptr, n2, r2, s2)
+        member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (2, pid_n - tiles0 - tiles1, b2_ptr, base2_ptr,
+                                                                   out2_ptr, w2_ptr, bias2_ptr)
+        N, R, scaling = n2, r2, s2
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < M
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    offs = rows[:, None] * N + cols[None, :]
+    if FUSED_BASE:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
+                        other=0.0)
+            acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        base = acc.to(out_ptr.dtype.element_ty)                   # the base layer's output
+    else:
+        base = tl.load(base_ptr + offs, mask=mask, other=0.0)
     xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for split in range(num_splits):
         xa += tl.load(partial_ptr + ((member * num_splits + split) * M + rows[:, None]) * BLOCK_R + ranks[None, :],
@@ -129,15 +159,53 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
     delta = _dot(xa.to(COMPUTE), b.to(COMPUTE), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), False, NATIVE)
     delta = delta.to(COMPUTE).to(tl.float32)                       # lora_B's output
     delta = (delta * scaling).to(COMPUTE).to(tl.float32)           # * scaling
-    mask = row_ok[:, None] & (cols[None, :] < N)
-    offs = rows[:, None] * N + cols[None, :]
-    base = tl.load(base_ptr + offs, mask=mask, other=0.0)
     out = base.to(tl.float32) + delta
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _padded(values: list, fill) -> list:
     return values + [fill] * (MAX_MEMBERS - len(values))
+
+
+def _check_group(members: list[list], split_k: int, block_k: int) -> None:
+    if not 1 <= len(members[0]) <= MAX_MEMBERS or any(len(m) != len(members[0]) for m in members):
+        raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with one base, A, B and scaling each, got "
+                         f"{', '.join(str(len(m)) for m in members)}")
+    if block_k < 16 or block_k & (block_k - 1) or split_k % block_k:
+        raise ValueError(f"block_k must be a power of two >= 16 that divides split_k, got split_k={split_k}, "
+                         f"block_k={block_k}")
+
+
+def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k):
+    """Shrink, then expand into outs (base read from bases, or computed from weights and biases)."""
+    m, k = x.shape
+    if m == 0:
+        return outs
+    compute = _TL_DTYPES[compute_dtype or lora_as[0].dtype]
+    lora_as, lora_bs = [a.contiguous() for a in lora_as], [b.contiguous() for b in lora_bs]
+    ranks = [a.shape[0] for a in lora_as]
+    block_r = max(16, triton.next_power_of_2(max(ranks)))
+    num_splits = triton.cdiv(k, split_k)
+    partial = torch.empty((len(outs), num_splits, m, block_r), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(triton.cdiv(m, BLOCK_M), num_splits, len(outs))](
+        x, *_padded(lora_as, lora_as[0]), *_padded(ranks, 0), partial, m, k, *x.stride(),
+        COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, SPLIT_K=split_k,
+        BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
+    fused, has_bias = weights is not None, biases is not None
+    block_m, block_n, block_k = _fused_tiles(m) if fused else (BLOCK_M, EXPAND_BLOCK_N, 16)
+    if fused and x.stride(1) != 1:
+        x = x.contiguous()
+    widths = [out.shape[1] for out in outs]
+    column_tiles = sum(triton.cdiv(n, block_n) for n in widths)
+    bases, weights, biases = bases or outs, weights or outs, biases or outs     # unread when absent
+    _expand_kernel[(column_tiles, triton.cdiv(m, block_m))](
+        partial, *_padded(lora_bs, lora_bs[0]), *_padded(bases, bases[0]), *_padded(outs, outs[0]),
+        *_padded(widths, 0), *_padded(ranks, 0), *_padded([float(s) for s in scalings], 0.0), m, num_splits,
+        x, *_padded(weights, weights[0]), *_padded(biases, biases[0]), k, x.stride(0),
+        COMPUTE=compute, NATIVE=_NATIVE_DOTS, FUSED_BASE=fused, HAS_BIAS=has_bias,
+        X_IS_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+        num_warps=4)
+    return outs
 
 
 def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor],
@@ -148,35 +216,25 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program, loaded block_k at a
     time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
-    if not 1 <= len(bases) == len(lora_as) == len(lora_bs) == len(scalings) <= MAX_MEMBERS:
-        raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with one base, A, B and scaling each, got "
-                         f"{len(bases)}, {len(lora_as)}, {len(lora_bs)}, {len(scalings)}")
-    if block_k < 16 or block_k & (block_k - 1) or split_k % block_k:
-        raise ValueError(f"block_k must be a power of two >= 16 that divides split_k, got split_k={split_k}, "
-                         f"block_k={block_k}")
-    compute = _TL_DTYPES[compute_dtype or lora_as[0].dtype]
-    m, k = x.shape
+    _check_group([bases, lora_as, lora_bs, scalings], split_k, block_k)
     bases = [base.contiguous() for base in bases]
-    lora_as, lora_bs = [a.contiguous() for a in lora_as], [b.contiguous() for b in lora_bs]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
-    if m == 0:
-        return outs
-    ranks = [a.shape[0] for a in lora_as]
-    block_r = max(16, triton.next_power_of_2(max(ranks)))
-    num_splits = triton.cdiv(k, split_k)
-    partial = torch.empty((len(bases), num_splits, m, block_r), dtype=torch.float32, device=x.device)
-    row_tiles = triton.cdiv(m, BLOCK_M)
-    _shrink_kernel[(row_tiles, num_splits, len(bases))](
-        x, *_padded(lora_as, lora_as[0]), *_padded(ranks, 0), partial, m, k, *x.stride(),
-        COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, SPLIT_K=split_k,
-        BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
-    widths = [b.shape[0] for b in lora_bs]
-    column_tiles = sum(triton.cdiv(n, EXPAND_BLOCK_N) for n in widths)
-    _expand_kernel[(column_tiles, row_tiles)](
-        partial, *_padded(lora_bs, lora_bs[0]), *_padded(bases, bases[0]), *_padded(outs, outs[0]),
-        *_padded(widths, 0), *_padded(ranks, 0), *_padded([float(s) for s in scalings], 0.0), m, num_splits,
-        COMPUTE=compute, NATIVE=_NATIVE_DOTS, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r, num_warps=4)
-    return outs
+    return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k)
+
+
+def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+                      lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scalings: list[float],
+                      compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """`lora_add_group` with each base computed in the expand's launch: x [M, K] @ weights[i] [N_i, K]^T
+    (+ biases[i], all members or none) rounded to the weights' dtype (x's), as an nn.Linear gives it. Two launches
+    for the whole group, base GEMMs included."""
+    _check_group([weights, lora_as, lora_bs, scalings], SHRINK_SPLIT_K, SHRINK_BLOCK_K)
+    if biases and len(biases) != len(weights):
+        raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
+    weights, biases = [w.contiguous() for w in weights], [b.contiguous() for b in biases] or None
+    outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
+    return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, SHRINK_SPLIT_K,
+                       SHRINK_BLOCK_K)
 
 
 def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
