@@ -198,6 +198,7 @@ def test_projections_that_share_an_input_take_one_launch_pair(arch, fused_base, 
     outputs; the whole model's logits match PEFT's forward, with the base GEMMs (Qwen2: with q/k/v biases) in the
     kernel or by torch."""
     monkeypatch.setattr(fast_forward, "FUSED_BASE_MAX_ROWS", fast_forward.FUSED_BASE_MAX_ROWS if fused_base else 0)
+    monkeypatch.setattr(fast_forward, "FUSED_BASE_MIN_COLUMNS", 1)             # tiny layers are narrow
     model = _decoder_with_lora(arch)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]], device=DEVICE)
     with torch.no_grad():
@@ -260,10 +261,12 @@ def test_base_in_the_kernel_matches_linear_then_lora(bias):
         kernels.lora_linear_group(x, weights, biases[:1] or weights[:1], lora_as, lora_bs, [0.5, 2.0])
 
 
-def test_shared_input_hand_off_compiles_to_one_graph():
+def test_shared_input_hand_off_compiles_to_one_graph(monkeypatch):
     """Under torch.compile (dynamic sizes, fullgraph) the hand-off between siblings traces without a graph break
-    or a recompile, and the compiled forward equals the uncompiled one."""
+    or a recompile, and the compiled forward equals the uncompiled one (q/k/v and gate/up with the base GEMMs in
+    the kernel, o and down without)."""
     import torch._dynamo.testing
+    monkeypatch.setattr(fast_forward, "FUSED_BASE_MIN_COLUMNS", 100)
     model = _decoder_with_lora()
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(lambda ids: model(ids).logits, backend=counter, fullgraph=True, dynamic=True)

@@ -20,7 +20,8 @@ import torch
 
 MAX_ROWS = 256   # decode-sized steps; larger (prefill) steps are GEMM-bound and keep PEFT's path
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
-FUSED_BASE_MAX_ROWS = 128   # up to this many rows the kernel also computes the base layers' GEMMs
+FUSED_BASE_MAX_ROWS = 128   # up to this many rows the kernel also computes the base layers' GEMMs, for groups
+FUSED_BASE_MIN_COLUMNS = 4096   # at least this wide together (128 programs of 32 columns to fill the GPU)
 
 
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # HF names of projections that
@@ -100,10 +101,12 @@ def _kernel_adapter(module, x: torch.Tensor):
 
 
 def _base_fusable(layers: list, x: torch.Tensor) -> bool:
-    """Whether the kernel computes the base layers too: up to FUSED_BASE_MAX_ROWS rows, no autocast, weights of
-    x's dtype and device, biases on all layers or none, no hooks on them."""
+    """Whether the kernel computes the base layers too: up to FUSED_BASE_MAX_ROWS rows, at least
+    FUSED_BASE_MIN_COLUMNS outputs in all, no autocast, weights of x's dtype and device, biases on all layers or
+    none, no hooks on them."""
     weights = [layer.weight for layer in layers]
-    return (x.shape[:-1].numel() <= FUSED_BASE_MAX_ROWS and not torch.is_autocast_enabled(x.device.type)
+    return (x.shape[:-1].numel() <= FUSED_BASE_MAX_ROWS and sum(w.shape[0] for w in weights) >= FUSED_BASE_MIN_COLUMNS
+            and not torch.is_autocast_enabled(x.device.type)
             and all(w.dtype == x.dtype and w.device == x.device for w in weights)
             and len({layer.bias is None for layer in layers}) == 1 and not any(_hooked(layer) for layer in layers))
 
