@@ -20,7 +20,7 @@ import torch
 
 MAX_ROWS = 256   # decode-sized steps; larger (prefill) steps are GEMM-bound and keep PEFT's path
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
-FUSED_BASE_MAX_ROWS = 128   # up to this many rows the kernel also computes the base layers' GEMMs, for groups
+FUSED_BASE_MAX_ROWS = 32    # up to this many rows the kernel also computes the base layers' GEMMs, for groups
 FUSED_BASE_MIN_COLUMNS = 4096   # at least this wide together (128 programs of 32 columns to fill the GPU)
 
 
