@@ -17,7 +17,7 @@ import torch
 from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, markdown_table, write_results
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.graphs.decode_graphs import GREEDY
-from cb_sync.lora import fast_forward, lora_kernels as lora_kernels_for
+from cb_sync.lora import fast_forward, kernels, lora_kernels as lora_kernels_for
 from cb_sync.model_state import generation_mode
 
 CONTEXT = 384
@@ -106,7 +106,7 @@ def main(argv=None):
     if args.lora_alone:
         fast_forward.SHARED_INPUT = ()
     if args.base_by_torch:
-        fast_forward.FUSED_BASE_MAX_ROWS = 0
+        kernels.FUSED_BASE_MAX_ROWS = 0
     model = build_model(lora=True)
     rows = []
     for batch in args.batches:

@@ -3,6 +3,8 @@ at the Qwen3-4B projection shapes (bf16 base, fp32 adapter r32 as PEFT makes it)
 so that launch latency counts as it does in a captured decode step. The kernel is also timed alone at each
 shrink tile (input features per program / per load) of `--tiles`. Operands here stay in L2 across the
 repeats, unlike in a decode step: choose tiles by the decode step's time (benchmarks/NOTES.md, attempt 6).
+The LoRA columns are the forward's time over the base GEMM alone; where the kernel computes the base GEMM itself
+(wide projections, few rows) that difference also holds the kernel's GEMM against cuBLAS's, and can be negative.
     python -m benchmarks.lora_kernel [--rows 1 4 32 128] [--tiles 256/64 64/64 128/128 256/256]
 """
 
@@ -72,7 +74,7 @@ def main(argv=None):
                          "kernel_lora_us": round(kernel - base, 1), "kernel_alone_us_by_tile": alone})
             print(rows[-1], flush=True)
     table = markdown_table(
-        ["projection", "rows", "base GEMM us", "LoRA us, PEFT", "LoRA us, kernel"]
+        ["projection", "rows", "base GEMM us", "LoRA us, PEFT", "LoRA us over the base, kernel"]
         + [f"kernel alone us, tile {tile}" for tile in tiles],
         [[r["projection"], r["rows"], r["base_us"], r["peft_lora_us"], r["kernel_lora_us"],
           *r["kernel_alone_us_by_tile"].values()] for r in rows])

@@ -35,13 +35,20 @@ def peft_and_kernel(model, layer, x):
             return expected, layer(x)
 
 
+class Calls(list):
+    """Rows of each kernel call; `fused`: whether each computed the base GEMMs too."""
+    fused: list
+
+
 @pytest.fixture
 def spy(monkeypatch):
-    calls = []
+    calls = Calls()
+    calls.fused = []
     original = kernels._lora_group
 
     def counting(*args):
         calls.append(args[0].shape[0])
+        calls.fused.append(args[3] is not None)
         return original(*args)
     monkeypatch.setattr(kernels, "_lora_group", counting)
     return calls
@@ -197,7 +204,7 @@ def test_projections_that_share_an_input_take_one_launch_pair(arch, fused_base, 
     """q/k/v and gate/up: the first member called computes all of them (one kernel call), the others take their
     outputs; the whole model's logits match PEFT's forward, with the base GEMMs (Qwen2: with q/k/v biases) in the
     kernel or by torch."""
-    monkeypatch.setattr(fast_forward, "FUSED_BASE_MAX_ROWS", fast_forward.FUSED_BASE_MAX_ROWS if fused_base else 0)
+    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_ROWS", kernels.FUSED_BASE_MAX_ROWS if fused_base else 0)
     monkeypatch.setattr(fast_forward, "FUSED_BASE_MIN_COLUMNS", 1)             # tiny layers are narrow
     model = _decoder_with_lora(arch)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]], device=DEVICE)
@@ -207,6 +214,7 @@ def test_projections_that_share_an_input_take_one_launch_pair(arch, fused_base, 
             got = model(ids).logits
     layers = model.config.num_hidden_layers
     assert sorted(spy) == [7] * (4 * layers)          # per layer: q/k/v, o, gate/up, down
+    assert spy.fused == [fused_base] * (4 * layers)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -271,7 +279,89 @@ def test_shared_input_hand_off_compiles_to_one_graph(monkeypatch):
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(lambda ids: model(ids).logits, backend=counter, fullgraph=True, dynamic=True)
     with torch.no_grad(), lora_kernels(model):
-        for length in (3, 5, 9):
+        for length in (3, 5, kernels.FUSED_BASE_MAX_ROWS + 3):     # both sides of the kernel's own row limit
             ids = torch.randint(0, 100, (1, length), device=DEVICE)
             torch.testing.assert_close(compiled(ids), model(ids).logits, atol=1e-6, rtol=1e-6)
     assert counter.frame_count == 1
+
+
+class _Projections(torch.nn.Module):
+    """q/k/v siblings of configurable input widths and Linear classes."""
+
+    def __init__(self, q_in=64, kv_in=64, linear=torch.nn.Linear):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = linear(q_in, 32), linear(kv_in, 32), linear(kv_in, 32)
+
+
+def _peft_projections(**kwargs):
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(_Projections(**kwargs), config).to(DEVICE).eval()
+
+
+def _q_k_v(model, x, context):
+    inner = model.base_model.model
+    return [inner.q_proj(x), inner.k_proj(context), inner.v_proj(context)]
+
+
+def test_siblings_of_other_input_widths_are_not_grouped(spy):
+    """Cross-attention: k/v read another tensor of another width; each projection is computed alone."""
+    model = _peft_projections(kv_in=48)
+    x, context = torch.randn(3, 64, device=DEVICE), torch.randn(5, 48, device=DEVICE)
+    with torch.no_grad():
+        expected = _q_k_v(model, x, context)
+        with lora_kernels(model):
+            got = _q_k_v(model, x, context)
+    assert spy == [3, 5, 5]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+class _ClampedLinear(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x).clamp(-0.1, 0.1)
+
+
+def test_linear_subclasses_keep_their_own_forward(spy, monkeypatch):
+    """The kernel computes base GEMMs only for plain nn.Linear layers: a subclass's forward is called."""
+    monkeypatch.setattr(fast_forward, "FUSED_BASE_MIN_COLUMNS", 1)
+    model = _peft_projections(linear=_ClampedLinear)
+    x = torch.randn(3, 64, device=DEVICE)
+    with torch.no_grad():
+        expected = _q_k_v(model, x, x)
+        with lora_kernels(model):
+            got = _q_k_v(model, x, x)
+    assert spy == [3] and spy.fused == [False]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_output_is_not_taken_after_its_input_or_adapter_changed(spy):
+    """An input changed in place, or the adapter disabled, between the siblings' calls: no kept output is used."""
+    model = _peft_projections()
+    inner = model.base_model.model
+    x = torch.randn(3, 64, device=DEVICE)
+    with torch.no_grad():
+        with lora_kernels(model):
+            inner.q_proj(x)
+            x.mul_(2.0)
+            got_k = inner.k_proj(x)
+            with model.disable_adapter():
+                got_v = inner.v_proj(x)
+        expected_k = inner.k_proj(x)
+        with model.disable_adapter():
+            expected_v = inner.v_proj(x)
+    assert spy == [3, 3]            # q's group call, then k's own (v: PEFT's path, adapter disabled)
+    torch.testing.assert_close(got_k, expected_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_v, expected_v, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_that_want_gradients_and_fp64_keep_peft_forward(spy):
+    model = _peft_projections()
+    inner = model.base_model.model
+    with lora_kernels(model):
+        inner.q_proj(torch.randn(3, 64, device=DEVICE, requires_grad=True)).sum().backward()
+        with torch.no_grad():
+            model.double()
+            inner.q_proj(torch.randn(3, 64, device=DEVICE, dtype=torch.float64))
+    assert spy == []

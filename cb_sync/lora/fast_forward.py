@@ -8,8 +8,9 @@ arguments, gradients to compute, non-Linear base layers.
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
 computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
-returns its output instead of computing it. Up to FUSED_BASE_MAX_ROWS rows the pair also computes the base layers'
-GEMMs (no separate base launch), where the base layers allow it (`_base_fusable`).
+returns its output instead of computing it. For plain nn.Linear base layers at least FUSED_BASE_MIN_COLUMNS wide
+together (a group, or one wide projection), the kernel also computes the base GEMMs where it is faster
+(`kernels.FUSED_BASE_MAX_ROWS`; the row count is decided inside the op, so torch.compile has no size to guard).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 
 MAX_ROWS = 256   # decode-sized steps; larger (prefill) steps are GEMM-bound and keep PEFT's path
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
-FUSED_BASE_MAX_ROWS = 32    # up to this many rows the kernel also computes the base layers' GEMMs, for groups
-FUSED_BASE_MIN_COLUMNS = 4096   # at least this wide together (128 programs of 32 columns to fill the GPU)
+FUSED_BASE_MIN_COLUMNS = 4096   # base GEMMs in the kernel for layers at least this wide together (128 programs
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # of 32 columns fill the GPU)
 
 
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # HF names of projections that
@@ -37,29 +38,36 @@ def _lora_linears(model: torch.nn.Module):
             if isinstance(m, Linear) and isinstance(m.base_layer, torch.nn.Linear)]
 
 
+def _version(x: torch.Tensor):
+    """x's in-place version counter, or None where there is none to read (torch.compile, inference tensors)."""
+    return None if torch.compiler.is_compiling() or x.is_inference() else x._version
+
+
 class _SharedInput:
     """Projections that read one input. The first one called computes every member's output with one kernel pair
-    and keeps the others' outputs; a member called next on that same tensor takes its own instead of computing."""
+    and keeps the others' outputs, each with the adapter it used; a member called next on that same, unmodified
+    tensor with that same adapter takes its own output instead of computing it. (A tensor changed in place between
+    the calls is detected where it has a version counter: not under torch.compile, nor for inference tensors.)"""
 
     def __init__(self, modules: list):
         self.modules = modules
-        self.input = None
-        self.outputs = [None] * len(modules)
+        self.kept = {}       # member index -> (input, its version, output, adapter); emptied as members take
 
-    def take(self, index: int, x: torch.Tensor):
-        out = self.outputs[index]
-        if out is None or self.input is not x:
+    def take(self, index: int, x: torch.Tensor, adapter: tuple):
+        kept = self.kept.pop(index, None)
+        if kept is None or kept[0] is not x or kept[1] != _version(x):
             return None
-        self.outputs[index] = None
-        return out
+        out, (lora_a, lora_b, scaling, compute) = kept[2], kept[3]
+        same = lora_a is adapter[0] and lora_b is adapter[1] and scaling == adapter[2] and compute == adapter[3]
+        return out if same else None
 
-    def keep(self, x: torch.Tensor, outputs: dict):
-        self.input = x
-        self.outputs = [outputs.get(index) for index in range(len(self.modules))]
+    def keep(self, x: torch.Tensor, outputs: dict, adapters: dict):
+        self.kept = {i: (x, _version(x), out, adapters[i]) for i, out in outputs.items()}
 
 
 def _shared_input_groups(named: list) -> list:
-    """(group, index) for each module: siblings named in SHARED_INPUT share a group, the rest are alone."""
+    """(group, index) for each module: siblings named in SHARED_INPUT with one input width share a group, the rest
+    are alone."""
     by_name = dict(named)
     placed = {}
     for name, _ in named:
@@ -67,7 +75,8 @@ def _shared_input_groups(named: list) -> list:
         for siblings in SHARED_INPUT:
             members = [f"{parent}.{s}" if parent else s for s in siblings]
             members = [m for m in members if m in by_name and m not in placed]
-            if child in siblings and len(members) > 1:
+            widths = {by_name[m].base_layer.in_features for m in members}
+            if child in siblings and len(members) > 1 and len(widths) == 1:
                 group = _SharedInput([by_name[m] for m in members])
                 placed.update({m: (group, i) for i, m in enumerate(members)})
     return [placed.get(name) or (_SharedInput([module]), 0) for name, module in named]
@@ -91,9 +100,13 @@ def _kernel_adapter(module, x: torch.Tensor):
     weights = (lora_a.weight, lora_b.weight)
     dropout_active = module.training and not isinstance(module.lora_dropout[name], torch.nn.Identity)
     variant = name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False)
+    base = module.base_layer
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(
+        p is not None and p.requires_grad for p in (*weights, base.weight, base.bias)))
     if (variant or dropout_active or getattr(lora_b, "bias", None) is not None or _hooked(lora_a) or _hooked(lora_b)
-            or weights[0].dtype != weights[1].dtype or any(w.device != x.device for w in weights)
-            or weights[0].shape[0] > MAX_RANK or (torch.is_grad_enabled() and any(w.requires_grad for w in weights))):
+            or weights[0].dtype != weights[1].dtype or weights[0].dtype not in KERNEL_DTYPES
+            or x.dtype not in KERNEL_DTYPES or any(w.device != x.device for w in weights)
+            or weights[0].shape[1] != x.shape[-1] or weights[0].shape[0] > MAX_RANK or wants_grad):
         return None
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weights[0].dtype
@@ -101,11 +114,12 @@ def _kernel_adapter(module, x: torch.Tensor):
 
 
 def _base_fusable(layers: list, x: torch.Tensor) -> bool:
-    """Whether the kernel computes the base layers too: up to FUSED_BASE_MAX_ROWS rows, at least
-    FUSED_BASE_MIN_COLUMNS outputs in all, no autocast, weights of x's dtype and device, biases on all layers or
-    none, no hooks on them."""
+    """Whether the kernel may compute the base layers too (it does so up to `kernels.FUSED_BASE_MAX_ROWS` rows):
+    plain nn.Linear layers (a subclass may compute something else) with plain weights of x's dtype and device, at
+    least FUSED_BASE_MIN_COLUMNS outputs in all, biases on all layers or none, no hooks, no autocast."""
     weights = [layer.weight for layer in layers]
-    return (x.shape[:-1].numel() <= FUSED_BASE_MAX_ROWS and sum(w.shape[0] for w in weights) >= FUSED_BASE_MIN_COLUMNS
+    return (all(type(layer) is torch.nn.Linear and type(layer.weight) is torch.nn.Parameter for layer in layers)
+            and sum(w.shape[0] for w in weights) >= FUSED_BASE_MIN_COLUMNS
             and not torch.is_autocast_enabled(x.device.type)
             and all(w.dtype == x.dtype and w.device == x.device for w in weights)
             and len({layer.bias is None for layer in layers}) == 1 and not any(_hooked(layer) for layer in layers))
@@ -113,14 +127,12 @@ def _base_fusable(layers: list, x: torch.Tensor) -> bool:
 
 def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs:
-            return peft_forward(x, *args, **kwargs)
-        kept = group.take(index, x)
-        if kept is not None:
-            return kept
-        adapter = _kernel_adapter(module, x)
+        adapter = None if args or kwargs else _kernel_adapter(module, x)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
+        kept = group.take(index, x, adapter)
+        if kept is not None:
+            return kept
         members = {index: adapter}
         for other_index, other in enumerate(group.modules):
             other_adapter = None if other_index == index else _kernel_adapter(other, x)
@@ -139,7 +151,8 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
             outs = torch.ops.cb_sync.lora_add_group(rows, [r.reshape(-1, r.shape[-1]) for r in results], *lora,
                                                     adapter[3])
         outs = {i: out.view(*x.shape[:-1], out.shape[-1]) for i, out in zip(members, outs)}
-        group.keep(x, {i: out for i, out in outs.items() if i != index})
+        if len(members) > 1:
+            group.keep(x, {i: out for i, out in outs.items() if i != index}, members)
         return outs[index]
     return forward
 

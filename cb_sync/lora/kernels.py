@@ -22,6 +22,8 @@ BLOCK_M = 16          # rows per program
 SHRINK_SPLIT_K = 128  # input features per shrink program, loaded SHRINK_BLOCK_K at a time
 SHRINK_BLOCK_K = 128  # (benchmarks/NOTES.md, attempt 8)
 EXPAND_BLOCK_N = 64
+FUSED_BASE_MAX_ROWS = 32   # rows up to which `lora_linear_group` computes the base GEMMs in its expand launch,
+# where they measured faster than cuBLAS (benchmarks/NOTES.md, attempt 9)
 
 
 def _fused_tiles(rows: int) -> tuple[int, int, int]:
@@ -167,13 +169,17 @@ def _padded(values: list, fill) -> list:
     return values + [fill] * (MAX_MEMBERS - len(values))
 
 
-def _check_group(members: list[list], split_k: int, block_k: int) -> None:
+def _check_group(x: torch.Tensor, members: list[list], split_k: int, block_k: int) -> None:
+    """members: per-member lists (bases or weights, As, Bs, scalings); every A (and weight) reads x's features."""
     if not 1 <= len(members[0]) <= MAX_MEMBERS or any(len(m) != len(members[0]) for m in members):
         raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with one base, A, B and scaling each, got "
                          f"{', '.join(str(len(m)) for m in members)}")
     if block_k < 16 or block_k & (block_k - 1) or split_k % block_k:
         raise ValueError(f"block_k must be a power of two >= 16 that divides split_k, got split_k={split_k}, "
                          f"block_k={block_k}")
+    widths = [a.shape[1] for a in members[1]]
+    if any(width != x.shape[1] for width in widths):
+        raise ValueError(f"every A must read x's {x.shape[1]} input features, got {widths}")
 
 
 def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k):
@@ -216,7 +222,7 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program, loaded block_k at a
     time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
-    _check_group([bases, lora_as, lora_bs, scalings], split_k, block_k)
+    _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k)
     bases = [base.contiguous() for base in bases]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
     return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k)
@@ -225,12 +231,17 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
                       lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scalings: list[float],
                       compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """`lora_add_group` with each base computed in the expand's launch: x [M, K] @ weights[i] [N_i, K]^T
-    (+ biases[i], all members or none) rounded to the weights' dtype (x's), as an nn.Linear gives it. Two launches
-    for the whole group, base GEMMs included."""
-    _check_group([weights, lora_as, lora_bs, scalings], SHRINK_SPLIT_K, SHRINK_BLOCK_K)
+    """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded
+    to the weights' dtype (x's), as nn.Linear gives them. Up to FUSED_BASE_MAX_ROWS rows the expand launch computes
+    them (two launches for the whole group, base GEMMs included); above, torch does."""
+    _check_group(x, [weights, lora_as, lora_bs, scalings], SHRINK_SPLIT_K, SHRINK_BLOCK_K)
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
+    if any(w.shape[1] != x.shape[1] for w in weights):
+        raise ValueError(f"every weight must read x's {x.shape[1]} input features, got {[w.shape[1] for w in weights]}")
+    if x.shape[0] > FUSED_BASE_MAX_ROWS:
+        bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
+        return lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype)
     weights, biases = [w.contiguous() for w in weights], [b.contiguous() for b in biases] or None
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
     return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, SHRINK_SPLIT_K,
