@@ -21,8 +21,8 @@ import torch
 
 MAX_ROWS = 256   # decode-sized steps; larger (prefill) steps are GEMM-bound and keep PEFT's path
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
-FUSED_BASE_MIN_COLUMNS = 4096   # base GEMMs in the kernel for layers at least this wide together (128 programs
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # of 32 columns fill the GPU)
+FUSED_BASE_MIN_COLUMNS = 4096   # base GEMMs in the kernel for layers this wide together: 128 programs of 32 columns
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # HF names of projections that
