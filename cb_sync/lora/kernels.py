@@ -169,17 +169,17 @@ def _padded(values: list, fill) -> list:
     return values + [fill] * (MAX_MEMBERS - len(values))
 
 
-def _check_group(x: torch.Tensor, members: list[list], split_k: int, block_k: int) -> None:
-    """members: per-member lists (bases or weights, As, Bs, scalings); every A (and weight) reads x's features."""
+def _check_group(x: torch.Tensor, members: list[list], split_k: int, block_k: int, readers_of_x: list) -> None:
+    """members: per-member lists (bases or weights, As, Bs, scalings); readers_of_x: the matrices applied to x."""
     if not 1 <= len(members[0]) <= MAX_MEMBERS or any(len(m) != len(members[0]) for m in members):
         raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with one base, A, B and scaling each, got "
                          f"{', '.join(str(len(m)) for m in members)}")
     if block_k < 16 or block_k & (block_k - 1) or split_k % block_k:
         raise ValueError(f"block_k must be a power of two >= 16 that divides split_k, got split_k={split_k}, "
                          f"block_k={block_k}")
-    widths = [a.shape[1] for a in members[1]]
+    widths = [m.shape[1] for m in readers_of_x]
     if any(width != x.shape[1] for width in widths):
-        raise ValueError(f"every A must read x's {x.shape[1]} input features, got {widths}")
+        raise ValueError(f"every A (and weight) must read x's {x.shape[1]} input features, got {widths}")
 
 
 def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k):
@@ -222,7 +222,7 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program, loaded block_k at a
     time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
-    _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k)
+    _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as)
     bases = [base.contiguous() for base in bases]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
     return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k)
@@ -234,11 +234,9 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded
     to the weights' dtype (x's), as nn.Linear gives them. Up to FUSED_BASE_MAX_ROWS rows the expand launch computes
     them (two launches for the whole group, base GEMMs included); above, torch does."""
-    _check_group(x, [weights, lora_as, lora_bs, scalings], SHRINK_SPLIT_K, SHRINK_BLOCK_K)
+    _check_group(x, [weights, lora_as, lora_bs, scalings], SHRINK_SPLIT_K, SHRINK_BLOCK_K, lora_as + weights)
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
-    if any(w.shape[1] != x.shape[1] for w in weights):
-        raise ValueError(f"every weight must read x's {x.shape[1]} input features, got {[w.shape[1] for w in weights]}")
     if x.shape[0] > FUSED_BASE_MAX_ROWS:
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
         return lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype)
