@@ -1,6 +1,6 @@
 """Decode-step probe: milliseconds per pure-decode step per bucket, eager vs graph replay (vs compiled graph),
 with and without LoRA, and % of the bandwidth floor. Every row of the batch has a 384-token context.
-    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--peft-lora | --lora-alone | --base-by-torch] [--profile FILE]
+    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--peft-lora | --lora-alone | --base-by-torch] [--lora-only] [--profile FILE]
 
 --profile appends, per probe, the GPU kernels of five graph replays grouped by kind (GEMM, Triton, attention,
 copies, other: count and microseconds per step) and the top kernels by GPU time.
@@ -99,6 +99,7 @@ def main(argv=None):
                         help="one LoRA kernel launch pair per projection (no shared-input groups), for comparison")
     parser.add_argument("--base-by-torch", action="store_true",
                         help="the LoRA kernel adds to torch's base GEMMs instead of computing them itself")
+    parser.add_argument("--lora-only", action="store_true", help="leave out the rows without LoRA")
     parser.add_argument("--profile", default=None, help="append kernel profiles to this file")
     parser.add_argument("--name", default="decode_graphs")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -110,7 +111,7 @@ def main(argv=None):
     model = build_model(lora=True)
     rows = []
     for batch in args.batches:
-        for lora in (True, False):
+        for lora in (True,) if args.lora_only else (True, False):
             path = ("PEFT" if args.peft_lora else "kernel alone" if args.lora_alone
                     else "kernel, base by torch" if args.base_by_torch else "kernel")
             label = (f"batch {batch}, LoRA {path if lora else 'off'}, "

@@ -21,6 +21,8 @@ import torch
 
 from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, markdown_table, write_results
 
+PREFILL_TOKENS = 16384   # cb_sync's max_batch_tokens: the prompts of batch 128 (128 x 128 tokens) in one step
+
 
 def _timed(fn):
     """Seconds and peak GiB of GPU memory (0 on the CPU) of fn()."""
@@ -37,7 +39,7 @@ def _timed(fn):
 
 def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True):
     from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=max(len(prompts), 1), max_batch_tokens=2048,
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=max(len(prompts), 1), max_batch_tokens=PREFILL_TOKENS,
                                           compile=compile_model, lora_kernels=lora_kernels))
     params = SamplingParams(max_new_tokens=new_tokens)
     warmup, _ = _timed(lambda: driver.generate(prompts, params))

@@ -29,7 +29,7 @@ class CBConfig:
 
     block_size: int = 16
     num_blocks: int | None = None
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 2048
     max_batch_size: int = 64
     attn_backend: str = "auto"
     cuda_graphs: bool = True

@@ -36,25 +36,28 @@ def peft_and_kernel(model, layer, x):
 
 
 class Calls(list):
-    """Rows of each kernel call; `fused`: whether each computed the base GEMMs too."""
+    """Rows of each kernel call; `fused`: whether each computed the base GEMMs too; `modes`: its base mode."""
     fused: list
+    modes: list
 
 
 @pytest.fixture
 def spy(monkeypatch):
     calls = Calls()
-    calls.fused = []
+    calls.fused, calls.modes = [], []
     original = kernels._lora_group
 
     def counting(*args):
         calls.append(args[0].shape[0])
         calls.fused.append(args[3] is not None)
+        calls.modes.append(args[11])
         return original(*args)
     monkeypatch.setattr(kernels, "_lora_group", counting)
     return calls
 
 
-@pytest.mark.parametrize("rows, in_features, out_features, r", [(1, 40, 24, 4), (5, 300, 70, 8), (19, 96, 130, 32)])
+@pytest.mark.parametrize("rows, in_features, out_features, r", [(1, 40, 24, 4), (5, 300, 70, 8), (19, 96, 130, 32),
+                                                               (kernels.LARGE_ROWS + 37, 200, 70, 8)])
 def test_kernel_matches_peft_fp32(rows, in_features, out_features, r, spy):
     model, layer = lora_stack(in_features, out_features, r)
     x = torch.randn(1, rows, in_features, device=DEVICE)
@@ -74,7 +77,7 @@ def test_kernel_rounds_like_peft_with_bf16_adapters():
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
-def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy, monkeypatch):
+def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy):
     model, layer = lora_stack(32, 16, 4, dropout=0.5)
     x = torch.randn(4, 32, device=DEVICE)
     with torch.no_grad(), lora_kernels(model):
@@ -83,9 +86,7 @@ def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy, monkeypatch):
         layer.eval()
         with model.disable_adapter():
             layer(x)
-        monkeypatch.setattr(fast_forward, "MAX_ROWS", 3)
-        layer(x)                                       # more rows than the kernel takes
-        layer(x[:3])                                   # this one does
+        layer(x[:3])                                   # this one takes the kernel
     assert spy == [3]
 
 
@@ -120,7 +121,7 @@ def test_tiles_that_would_miscount_features_are_refused(split_k, block_k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [1, 4, 37, 128])
+@pytest.mark.parametrize("rows", [1, 4, 37, 128, 2048])
 @pytest.mark.parametrize("in_features, out_features", [(2560, 4096), (2560, 1024), (9728, 2560)])
 def test_kernel_matches_peft_at_4b_sizes_bf16_model_fp32_adapter(rows, in_features, out_features):
     """The PEFT default (fp32 adapter on a bf16 model): differences only from fp32 summation order, so at most
@@ -198,14 +199,19 @@ def _decoder_with_lora(arch="qwen3"):
     return make_model(arch, lora=True).to(DEVICE)
 
 
-@pytest.mark.parametrize("fused_base", [True, False], ids=["base_in_kernel", "base_by_torch"])
+BASE_MODES = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.SUMMED_BASE, "torch": None}
+
+
+@pytest.mark.parametrize("base", list(BASE_MODES))
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
-def test_projections_that_share_an_input_take_one_launch_pair(arch, fused_base, spy, monkeypatch):
+def test_projections_that_share_an_input_take_one_launch_pair(arch, base, spy, monkeypatch):
     """q/k/v and gate/up: the first member called computes all of them (one kernel call), the others take their
     outputs; the whole model's logits match PEFT's forward, with the base GEMMs (Qwen2: with q/k/v biases) in the
-    kernel or by torch."""
-    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_ROWS", kernels.FUSED_BASE_MAX_ROWS if fused_base else 0)
-    monkeypatch.setattr(fast_forward, "FUSED_BASE_MIN_COLUMNS", 1)             # tiny layers are narrow
+    kernel's expand launch, split over K in its shrink launch (two splits), or by torch."""
+    mode = BASE_MODES[base]
+    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_ROWS", 0 if mode is None else kernels.FUSED_BASE_MAX_ROWS)
+    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if mode == kernels.GEMM_BASE else 10**9)
+    monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (kernels.SHRINK_BLOCK_K, 32))
     model = _decoder_with_lora(arch)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]], device=DEVICE)
     with torch.no_grad():
@@ -214,7 +220,7 @@ def test_projections_that_share_an_input_take_one_launch_pair(arch, fused_base, 
             got = model(ids).logits
     layers = model.config.num_hidden_layers
     assert sorted(spy) == [7] * (4 * layers)          # per layer: q/k/v, o, gate/up, down
-    assert spy.fused == [fused_base] * (4 * layers)
+    assert spy.modes == [kernels.READ_BASE if mode is None else mode] * (4 * layers)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -251,8 +257,14 @@ def test_group_kernel_matches_each_member_alone():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_base_in_the_kernel_matches_linear_then_lora(bias):
-    """lora_linear_group = nn.Linear's x W^T + b, then lora_add_group, for members of different widths."""
+@pytest.mark.parametrize("base", ["gemm_in_expand", "split_k_in_shrink", "torch_for_long_inputs"])
+def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy, monkeypatch):
+    """lora_linear_group = nn.Linear's x W^T + b, then lora_add_group, for members of different widths; the base
+    GEMMs in the expand launch, over two K splits and several column tiles in the shrink launch, or (inputs
+    wider than FUSED_BASE_MAX_K) by torch."""
+    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if base == "gemm_in_expand" else 10**9)
+    monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (kernels.SHRINK_BLOCK_K, 32))
+    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_K", 199 if base == "torch_for_long_inputs" else 4096)
     torch.manual_seed(1)
     x = torch.randn(6, 200, device=DEVICE)
     shapes = [(70, 8), (24, 4)]
@@ -263,6 +275,9 @@ def test_base_in_the_kernel_matches_linear_then_lora(bias):
     got = kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, [0.5, 2.0])
     bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None, None])]
     expected = kernels.lora_add_group(x, bases, lora_as, lora_bs, [0.5, 2.0])
+    modes = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.SUMMED_BASE,
+             "torch_for_long_inputs": kernels.READ_BASE}
+    assert spy.modes[0] == modes[base]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="biases for all 2 members or none"):
@@ -272,9 +287,9 @@ def test_base_in_the_kernel_matches_linear_then_lora(bias):
 def test_shared_input_hand_off_compiles_to_one_graph(monkeypatch):
     """Under torch.compile (dynamic sizes, fullgraph) the hand-off between siblings traces without a graph break
     or a recompile, and the compiled forward equals the uncompiled one (q/k/v and gate/up with the base GEMMs in
-    the kernel, o and down without)."""
+    the expand launch, o and down split over K in the shrink launch)."""
     import torch._dynamo.testing
-    monkeypatch.setattr(fast_forward, "FUSED_BASE_MIN_COLUMNS", 100)
+    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 100)     # tiny model: q/k/v 128 columns, o 64
     model = _decoder_with_lora()
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(lambda ids: model(ids).logits, backend=counter, fullgraph=True, dynamic=True)
@@ -322,9 +337,8 @@ class _ClampedLinear(torch.nn.Linear):
         return super().forward(x).clamp(-0.1, 0.1)
 
 
-def test_linear_subclasses_keep_their_own_forward(spy, monkeypatch):
+def test_linear_subclasses_keep_their_own_forward(spy):
     """The kernel computes base GEMMs only for plain nn.Linear layers: a subclass's forward is called."""
-    monkeypatch.setattr(fast_forward, "FUSED_BASE_MIN_COLUMNS", 1)
     model = _peft_projections(linear=_ClampedLinear)
     x = torch.randn(3, 64, device=DEVICE)
     with torch.no_grad():

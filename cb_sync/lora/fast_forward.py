@@ -3,14 +3,14 @@
 The swapped forward reads the very `lora_A` / `lora_B` parameters the trainer updates (no copy) and computes
 PEFT's function, also under autocast; anything it does not cover goes to PEFT's own forward: several active
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
-(accelerate offload), weights on another device, ranks above MAX_RANK, more than MAX_ROWS rows, extra
-arguments, gradients to compute, non-Linear base layers.
+(accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute,
+non-Linear base layers. Decode and prefill steps alike take the kernel.
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
 computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
-returns its output instead of computing it. For plain nn.Linear base layers at least FUSED_BASE_MIN_COLUMNS wide
-together (a group, or one wide projection), the kernel also computes the base GEMMs where it is faster
-(`kernels.FUSED_BASE_MAX_ROWS`; the row count is decided inside the op, so torch.compile has no size to guard).
+returns its output instead of computing it. For plain nn.Linear base layers the kernel also computes the base
+GEMMs where it is faster (`kernels.FUSED_BASE_MAX_ROWS`; the row count is decided inside the op, so torch.compile
+has no size to guard).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-MAX_ROWS = 256   # decode-sized steps; larger (prefill) steps are GEMM-bound and keep PEFT's path
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
-FUSED_BASE_MIN_COLUMNS = 4096   # base GEMMs in the kernel for layers this wide together: 128 programs of 32 columns
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -92,8 +90,8 @@ def _kernel_adapter(module, x: torch.Tensor):
     Under autocast PEFT's A and B products run in the autocast dtype, so the kernel rounds to it.
     """
     names = [name for name in module.active_adapters if name in module.lora_A.keys()]
-    if (len(names) != 1 or module.disable_adapters or module.merged or x.shape[:-1].numel() > MAX_ROWS
-            or _hooked(module) or not getattr(module, "cast_input_dtype_enabled", True)):
+    if (len(names) != 1 or module.disable_adapters or module.merged or _hooked(module)
+            or not getattr(module, "cast_input_dtype_enabled", True)):
         return None
     name = names[0]
     lora_a, lora_b = module.lora_A[name], module.lora_B[name]
@@ -115,11 +113,10 @@ def _kernel_adapter(module, x: torch.Tensor):
 
 def _base_fusable(layers: list, x: torch.Tensor) -> bool:
     """Whether the kernel may compute the base layers too (it does so up to `kernels.FUSED_BASE_MAX_ROWS` rows):
-    plain nn.Linear layers (a subclass may compute something else) with plain weights of x's dtype and device, at
-    least FUSED_BASE_MIN_COLUMNS outputs in all, biases on all layers or none, no hooks, no autocast."""
+    plain nn.Linear layers (a subclass may compute something else) with plain weights of x's dtype and device,
+    biases on all layers or none, no hooks, no autocast."""
     weights = [layer.weight for layer in layers]
     return (all(type(layer) is torch.nn.Linear and type(layer.weight) is torch.nn.Parameter for layer in layers)
-            and sum(w.shape[0] for w in weights) >= FUSED_BASE_MIN_COLUMNS
             and not torch.is_autocast_enabled(x.device.type)
             and all(w.dtype == x.dtype and w.device == x.device for w in weights)
             and len({layer.bias is None for layer in layers}) == 1 and not any(_hooked(layer) for layer in layers))

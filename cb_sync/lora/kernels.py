@@ -1,4 +1,4 @@
-"""Triton LoRA for few rows: out_i = base_i + scaling_i * B_i(A_i(x)) for up to three projections that read one
+"""Triton LoRA: out_i = base_i + scaling_i * B_i(A_i(x)) for up to three projections that read one
 input x (q/k/v, gate/up), with PEFT's dtypes and roundings.
 
 PEFT computes `result + lora_B(lora_A(x.to(A.dtype))) * scaling` and casts back to the result's dtype; with
@@ -9,6 +9,7 @@ computes x A_i^T for every member over K splits into fp32 partials (no atomics, 
 spanning all members' outputs. Intermediates are rounded to the compute dtype (the adapter's, or autocast's)
 where PEFT's modules round them, and sums run in fp32 as cuBLAS's do; fp32 products run on bf16 tensor cores
 with each operand split into three bf16 parts (`_dot`). Grids depend only on shapes (CUDA-graph safe).
+Prefill-sized inputs (LARGE_ROWS and more) take 64-row tiles and one K split (no partials to sum).
 """
 
 import os
@@ -19,11 +20,19 @@ import triton.language as tl
 
 MAX_MEMBERS = 3       # projections per launch
 BLOCK_M = 16          # rows per program
-SHRINK_SPLIT_K = 128  # input features per shrink program, loaded SHRINK_BLOCK_K at a time
+SHRINK_SPLIT_K = 128  # input features per shrink program up to FUSED_BASE_MAX_ROWS rows, read SHRINK_BLOCK_K a load
 SHRINK_BLOCK_K = 128  # (benchmarks/NOTES.md, attempt 8)
 EXPAND_BLOCK_N = 64
-FUSED_BASE_MAX_ROWS = 32   # rows up to which `lora_linear_group` computes the base GEMMs in its expand launch,
-# where they measured faster than cuBLAS (benchmarks/NOTES.md, attempt 9)
+MID_SPLIT_K = 256     # shrink split above FUSED_BASE_MAX_ROWS rows (benchmarks/NOTES.md, attempt 10)
+LARGE_ROWS = 256      # from this many rows on, LARGE_BLOCK_M rows per program and a shrink over the whole of K
+LARGE_BLOCK_M = 64
+FUSED_BASE_MAX_ROWS = 32   # `lora_linear_group` computes the base GEMMs in its own launches up to this many rows
+FUSED_BASE_MAX_K = 4096    # and input features, where they measured faster than cuBLAS (benchmarks/NOTES.md,
+# attempts 9 and 10; the 4B shape's down projection, 9,728 features, measured slower)
+GEMM_BASE_MIN_COLUMNS = 8192   # groups this wide compute the base GEMMs in the expand launch (gate/up);
+# narrower ones split them over K in the shrink launch (q/k/v, o)
+SUMMED_BASE_TILES = (512, 64)  # (input features, columns) per split-K base program; a multiple of SHRINK_BLOCK_K
+READ_BASE, GEMM_BASE, SUMMED_BASE = 0, 1, 2   # where the expand launch takes the base from
 
 
 def _fused_tiles(rows: int) -> tuple[int, int, int]:
@@ -79,13 +88,10 @@ def _dot(a, b, acc, A_IS_BF16: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk,
-                   COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, SPLIT_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Program (row tile, K split, member): partial[member, split, rows, :] = x[rows, split] @ A[:, split]^T."""
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    member = tl.program_id(2)
+def _shrink_tile(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk, pid_m, split,
+                 member, num_splits, COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr,
+                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """partial[member, split, rows, :] = x[rows, split] @ A[:, split]^T."""
     if member == 0:
         a_ptr, R = a0_ptr, r0
     elif member == 1:
@@ -103,19 +109,70 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K,
                     other=0.0)
         # x and A in the compute dtype (PEFT casts x to the adapter dtype; autocast casts both)
         acc = _dot(x.to(COMPUTE), a.to(COMPUTE), acc, X_IS_BF16, NATIVE)
-    offs = ((member * tl.num_programs(1) + split) * M + rows[:, None]) * BLOCK_R + ranks[None, :]
+    offs = ((member * num_splits + split) * M + rows[:, None]) * BLOCK_R + ranks[None, :]
     tl.store(partial_ptr + offs, acc, mask=rows[:, None] < M)
+
+
+@triton.jit
+def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr, M, K, stride_xm, stride_xk,
+                       tile, split, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BASE_SPLIT_K: tl.constexpr, BASE_BLOCK_M: tl.constexpr, BASE_BLOCK_N: tl.constexpr):
+    """base_partial[split, :, cols] = x[:, split] @ W[cols, split]^T for column tile `tile` of all members' outputs
+    side by side; every row in one tile."""
+    tiles0 = tl.cdiv(n0, BASE_BLOCK_N)
+    tiles1 = tl.cdiv(n1, BASE_BLOCK_N)
+    if tile < tiles0:
+        w_ptr, N, first = w0_ptr, n0, 0
+    elif tile < tiles0 + tiles1:
+        w_ptr, N, first, tile = w1_ptr, n1, n0, tile - tiles0
+    else:
+        w_ptr, N, first, tile = w2_ptr, n2, n0 + n1, tile - tiles0 - tiles1
+    rows = tl.arange(0, BASE_BLOCK_M)
+    cols = tile * BASE_BLOCK_N + tl.arange(0, BASE_BLOCK_N)
+    acc = tl.zeros([BASE_BLOCK_M, BASE_BLOCK_N], dtype=tl.float32)
+    for k0 in range(split * BASE_SPLIT_K, tl.minimum(split * BASE_SPLIT_K + BASE_SPLIT_K, K), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
+                    other=0.0)
+        acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
+    offs = (split * M + rows[:, None]) * (n0 + n1 + n2) + first + cols[None, :]
+    tl.store(base_partial_ptr + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk,
+                   row_tiles, num_splits, members, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr,
+                   COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BASE_SPLIT_K: tl.constexpr, BASE_BLOCK_M: tl.constexpr, BASE_BLOCK_N: tl.constexpr):
+    """The first row_tiles x num_splits x members programs: one LoRA shrink tile each. Any further programs: one
+    (column tile, K split) of the split-K base GEMMs each."""
+    pid = tl.program_id(0)
+    lora_programs = row_tiles * num_splits * members
+    if pid < lora_programs:
+        _shrink_tile(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk,
+                     pid % row_tiles, (pid // row_tiles) % num_splits, pid // (row_tiles * num_splits), num_splits,
+                     COMPUTE, X_IS_BF16, NATIVE, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R)
+    else:
+        base_splits = tl.cdiv(K, BASE_SPLIT_K)
+        _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr, M, K, stride_xm, stride_xk,
+                           (pid - lora_programs) // base_splits, (pid - lora_programs) % base_splits, X_IS_BF16,
+                           NATIVE, BLOCK_K, BASE_SPLIT_K, BASE_BLOCK_M, BASE_BLOCK_N)
 
 
 @triton.jit
 def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, base2_ptr, out0_ptr, out1_ptr,
                    out2_ptr, n0, n1, n2, r0, r1, r2, s0, s1, s2, M, num_splits,
-                   x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, K, stride_xm,
-                   COMPUTE: tl.constexpr, NATIVE: tl.constexpr, FUSED_BASE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, K, stride_xm, base_partial_ptr,
+                   base_splits,
+                   COMPUTE: tl.constexpr, NATIVE: tl.constexpr, BASE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    X_IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_R: tl.constexpr):
-    """Program (column tile over all members, row tile): out = base + round(round(xa @ B^T) * scaling), base read
-    from memory, or with FUSED_BASE computed here as x @ W^T (+ bias) rounded to the output dtype."""
+    """Program (column tile over all members, row tile): out = base + round(round(xa @ B^T) * scaling). BASE
+    READ_BASE: base read from memory; GEMM_BASE: computed here as x @ W^T; SUMMED_BASE: the shrink launch's split-K
+    partials of x @ W^T summed in split order. Computed bases add the bias and round to the output dtype."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     tiles0 = tl.cdiv(n0, BLOCK_N)
@@ -123,35 +180,40 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
     if pid_n < tiles0:
         member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (0, pid_n, b0_ptr, base0_ptr, out0_ptr, w0_ptr,
                                                                    bias0_ptr)
-        N, R, scaling = n0, r0, s0
+        N, R, scaling, first = n0, r0, s0, 0
     elif pid_n < tiles0 + tiles1:
         member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (1, pid_n - tiles0, b1_ptr, base1_ptr, out1_ptr,
                                                                    w1_ptr, bias1_ptr)
-        N, R, scaling = n1, r1, s1
+        N, R, scaling, first = n1, r1, s1, n0
     else:
         member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (2, pid_n - tiles0 - tiles1, b2_ptr, base2_ptr,
                                                                    out2_ptr, w2_ptr, bias2_ptr)
-        N, R, scaling = n2, r2, s2
+        N, R, scaling, first = n2, r2, s2, n0 + n1
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols[None, :] < N)
     offs = rows[:, None] * N + cols[None, :]
-    if FUSED_BASE:
+    if BASE == 0:
+        base = tl.load(base_ptr + offs, mask=mask, other=0.0)
+    else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K),
-                        other=0.0)
-            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
-                        other=0.0)
-            acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
+        if BASE == 1:
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
+                            other=0.0)
+                acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
+        else:
+            for split in range(base_splits):
+                acc += tl.load(base_partial_ptr + (split * M + rows[:, None]) * (n0 + n1 + n2) + first + cols[None, :],
+                               mask=mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         base = acc.to(out_ptr.dtype.element_ty)                   # the base layer's output
-    else:
-        base = tl.load(base_ptr + offs, mask=mask, other=0.0)
     xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for split in range(num_splits):
         xa += tl.load(partial_ptr + ((member * num_splits + split) * M + rows[:, None]) * BLOCK_R + ranks[None, :],
@@ -174,7 +236,7 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int, block_k: in
     if not 1 <= len(members[0]) <= MAX_MEMBERS or any(len(m) != len(members[0]) for m in members):
         raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with one base, A, B and scaling each, got "
                          f"{', '.join(str(len(m)) for m in members)}")
-    if block_k < 16 or block_k & (block_k - 1) or split_k % block_k:
+    if block_k < 16 or block_k & (block_k - 1) or (split_k is not None and split_k % block_k):
         raise ValueError(f"block_k must be a power of two >= 16 that divides split_k, got split_k={split_k}, "
                          f"block_k={block_k}")
     widths = [m.shape[1] for m in readers_of_x]
@@ -182,33 +244,55 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int, block_k: in
         raise ValueError(f"every A (and weight) must read x's {x.shape[1]} input features, got {widths}")
 
 
-def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k):
-    """Shrink, then expand into outs (base read from bases, or computed from weights and biases)."""
+def _shrink_tiles(m: int, k: int, block_k: int) -> tuple[int, int]:
+    """(rows per program, input features per K split) of the LoRA shrink for m rows."""
+    if m >= LARGE_ROWS:
+        return LARGE_BLOCK_M, triton.cdiv(k, block_k) * block_k
+    return BLOCK_M, SHRINK_SPLIT_K if m <= FUSED_BASE_MAX_ROWS else MID_SPLIT_K
+
+
+def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
+                base_mode):
+    """Shrink, then expand into outs; base_mode: READ_BASE (from bases), GEMM_BASE or SUMMED_BASE (from weights
+    and biases, computed in the expand launch or split over K in the shrink launch)."""
     m, k = x.shape
     if m == 0:
         return outs
     compute = _TL_DTYPES[compute_dtype or lora_as[0].dtype]
     lora_as, lora_bs = [a.contiguous() for a in lora_as], [b.contiguous() for b in lora_bs]
-    ranks = [a.shape[0] for a in lora_as]
+    if base_mode != READ_BASE and x.stride(1) != 1:
+        x = x.contiguous()
+    ranks, widths = [a.shape[0] for a in lora_as], [out.shape[1] for out in outs]
     block_r = max(16, triton.next_power_of_2(max(ranks)))
+    block_m, default_split = _shrink_tiles(m, k, block_k)
+    split_k = split_k or default_split
     num_splits = triton.cdiv(k, split_k)
     partial = torch.empty((len(outs), num_splits, m, block_r), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(triton.cdiv(m, BLOCK_M), num_splits, len(outs))](
-        x, *_padded(lora_as, lora_as[0]), *_padded(ranks, 0), partial, m, k, *x.stride(),
+    row_tiles = triton.cdiv(m, block_m)
+    base_split_k, base_block_n = SUMMED_BASE_TILES
+    base_splits = triton.cdiv(k, base_split_k) if base_mode == SUMMED_BASE else 0
+    base_partial = torch.empty((base_splits, m, sum(widths)), dtype=torch.float32, device=x.device)
+    base_programs = base_splits * sum(triton.cdiv(n, base_block_n) for n in widths)
+    weights = weights or outs                                        # unread when absent
+    _shrink_kernel[(row_tiles * num_splits * len(outs) + base_programs,)](
+        x, *_padded(lora_as, lora_as[0]), *_padded(ranks, 0), partial, m, k, *x.stride(), row_tiles, num_splits,
+        len(outs), *_padded(weights, weights[0]), *_padded(widths, 0), base_partial,
         COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, SPLIT_K=split_k,
-        BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
-    fused, has_bias = weights is not None, biases is not None
-    block_m, block_n, block_k = _fused_tiles(m) if fused else (BLOCK_M, EXPAND_BLOCK_N, 16)
-    if fused and x.stride(1) != 1:
-        x = x.contiguous()
-    widths = [out.shape[1] for out in outs]
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BASE_SPLIT_K=base_split_k,
+        BASE_BLOCK_M=max(16, triton.next_power_of_2(m)) if base_splits else 16, BASE_BLOCK_N=base_block_n,
+        num_warps=4)
+    if base_mode == GEMM_BASE:
+        block_m, block_n, block_k = _fused_tiles(m)
+    else:
+        block_m, block_n, block_k = min(block_m, max(16, triton.next_power_of_2(m))), EXPAND_BLOCK_N, 16
     column_tiles = sum(triton.cdiv(n, block_n) for n in widths)
-    bases, weights, biases = bases or outs, weights or outs, biases or outs     # unread when absent
+    has_bias = biases is not None
+    bases, biases = bases or outs, biases or outs                    # unread when absent
     _expand_kernel[(column_tiles, triton.cdiv(m, block_m))](
         partial, *_padded(lora_bs, lora_bs[0]), *_padded(bases, bases[0]), *_padded(outs, outs[0]),
         *_padded(widths, 0), *_padded(ranks, 0), *_padded([float(s) for s in scalings], 0.0), m, num_splits,
-        x, *_padded(weights, weights[0]), *_padded(biases, biases[0]), k, x.stride(0),
-        COMPUTE=compute, NATIVE=_NATIVE_DOTS, FUSED_BASE=fused, HAS_BIAS=has_bias,
+        x, *_padded(weights, weights[0]), *_padded(biases, biases[0]), k, x.stride(0), base_partial, base_splits,
+        COMPUTE=compute, NATIVE=_NATIVE_DOTS, BASE=base_mode, HAS_BIAS=has_bias,
         X_IS_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
         num_warps=4)
     return outs
@@ -216,38 +300,40 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
 
 def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor],
                    lora_bs: list[torch.Tensor], scalings: list[float], compute_dtype: torch.dtype | None = None,
-                   split_k: int = SHRINK_SPLIT_K, block_k: int = SHRINK_BLOCK_K) -> list[torch.Tensor]:
+                   split_k: int | None = None, block_k: int = SHRINK_BLOCK_K) -> list[torch.Tensor]:
     """For each member i: bases[i] [M, N_i] + scalings[i] * (x [M, K] @ lora_as[i] [R_i, K]^T) @ lora_bs[i]
     [N_i, R_i]^T as a new tensor of bases[i]'s dtype, with PEFT's roundings: x, A and B in compute_dtype (default:
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
-    Two launches for up to MAX_MEMBERS members. split_k input features per shrink program, loaded block_k at a
-    time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
+    Two launches for up to MAX_MEMBERS members. split_k input features per shrink program (None: chosen by the
+    row count), loaded block_k at a time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
     _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as)
     bases = [base.contiguous() for base in bases]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
-    return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k)
+    return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
+                       READ_BASE)
 
 
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
                       lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scalings: list[float],
                       compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded
-    to the weights' dtype (x's), as nn.Linear gives them. Up to FUSED_BASE_MAX_ROWS rows the expand launch computes
-    them (two launches for the whole group, base GEMMs included); above, torch does."""
-    _check_group(x, [weights, lora_as, lora_bs, scalings], SHRINK_SPLIT_K, SHRINK_BLOCK_K, lora_as + weights)
+    to the weights' dtype (x's), as nn.Linear gives them. Up to FUSED_BASE_MAX_ROWS rows and FUSED_BASE_MAX_K input
+    features the kernel computes them (two launches for the whole group, base GEMMs included); beyond, torch does."""
+    _check_group(x, [weights, lora_as, lora_bs, scalings], None, SHRINK_BLOCK_K, lora_as + weights)
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
-    if x.shape[0] > FUSED_BASE_MAX_ROWS:
+    if x.shape[0] > FUSED_BASE_MAX_ROWS or x.shape[1] > FUSED_BASE_MAX_K:
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
         return lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype)
     weights, biases = [w.contiguous() for w in weights], [b.contiguous() for b in biases] or None
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
-    return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, SHRINK_SPLIT_K,
-                       SHRINK_BLOCK_K)
+    mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= GEMM_BASE_MIN_COLUMNS else SUMMED_BASE
+    return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, None,
+                       SHRINK_BLOCK_K, mode)
 
 
 def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             scaling: float, compute_dtype: torch.dtype | None = None, split_k: int = SHRINK_SPLIT_K,
+             scaling: float, compute_dtype: torch.dtype | None = None, split_k: int | None = None,
              block_k: int = SHRINK_BLOCK_K) -> torch.Tensor:
     """One projection: base + scaling * (x @ lora_a^T) @ lora_b^T; see `lora_add_group`."""
     return lora_add_group(x, [base], [lora_a], [lora_b], [scaling], compute_dtype, split_k, block_k)[0]
