@@ -58,7 +58,8 @@ def spy(monkeypatch):
 
 @pytest.mark.parametrize("rows, in_features, out_features, r", [(1, 40, 24, 4), (5, 300, 70, 8), (19, 96, 130, 32),
                                                                (kernels.LARGE_ROWS + 37, 200, 70, 8)])
-def test_kernel_matches_peft_fp32(rows, in_features, out_features, r, spy):
+def test_kernel_matches_peft_fp32(rows, in_features, out_features, r, spy, monkeypatch):
+    monkeypatch.setattr(fast_forward, "HOST_BOUND_ROWS", range(0))
     model, layer = lora_stack(in_features, out_features, r)
     x = torch.randn(1, rows, in_features, device=DEVICE)
     expected, got = peft_and_kernel(model, layer, x)
@@ -77,17 +78,20 @@ def test_kernel_rounds_like_peft_with_bf16_adapters():
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
-def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy):
+def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy, monkeypatch):
+    monkeypatch.setattr(fast_forward, "HOST_BOUND_ROWS", range(4, 6))
     model, layer = lora_stack(32, 16, 4, dropout=0.5)
-    x = torch.randn(4, 32, device=DEVICE)
+    x = torch.randn(6, 32, device=DEVICE)
     with torch.no_grad(), lora_kernels(model):
         layer.train()                                  # active dropout: PEFT's forward
         layer(x)
         layer.eval()
         with model.disable_adapter():
             layer(x)
-        layer(x[:3])                                   # this one takes the kernel
-    assert spy == [3]
+        layer(x[:4])                                   # a host-bound size: PEFT's forward
+        layer(x[:3])                                   # these two take the kernel
+        layer(x)
+    assert spy == [3, 6]
 
 
 def test_forward_is_restored_also_on_error():
@@ -121,7 +125,7 @@ def test_tiles_that_would_miscount_features_are_refused(split_k, block_k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [1, 4, 37, 128, 2048])
+@pytest.mark.parametrize("rows", [1, 4, 37, 128, 4096])
 @pytest.mark.parametrize("in_features, out_features", [(2560, 4096), (2560, 1024), (9728, 2560)])
 def test_kernel_matches_peft_at_4b_sizes_bf16_model_fp32_adapter(rows, in_features, out_features):
     """The PEFT default (fp32 adapter on a bf16 model): differences only from fp32 summation order, so at most

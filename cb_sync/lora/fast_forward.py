@@ -4,7 +4,7 @@ The swapped forward reads the very `lora_A` / `lora_B` parameters the trainer up
 PEFT's function, also under autocast; anything it does not cover goes to PEFT's own forward: several active
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
 (accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute,
-non-Linear base layers. Decode and prefill steps alike take the kernel.
+non-Linear base layers, and eager steps of HOST_BOUND_ROWS rows.
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
 computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
@@ -20,6 +20,9 @@ from contextlib import contextmanager
 import torch
 
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
+HOST_BOUND_ROWS = range(257, 4096)   # uncompiled steps of these sizes are bound by the host's launch costs, and
+# PEFT's forward measured faster there (benchmarks/NOTES.md, attempt 10); decode steps, which replay captured
+# graphs, and long prefill steps take the kernel
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -90,7 +93,8 @@ def _kernel_adapter(module, x: torch.Tensor):
     Under autocast PEFT's A and B products run in the autocast dtype, so the kernel rounds to it.
     """
     names = [name for name in module.active_adapters if name in module.lora_A.keys()]
-    if (len(names) != 1 or module.disable_adapters or module.merged or _hooked(module)
+    host_bound = not torch.compiler.is_compiling() and x.shape[:-1].numel() in HOST_BOUND_ROWS
+    if (len(names) != 1 or module.disable_adapters or module.merged or _hooked(module) or host_bound
             or not getattr(module, "cast_input_dtype_enabled", True)):
         return None
     name = names[0]
