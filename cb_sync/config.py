@@ -20,8 +20,8 @@ class CBConfig:
     cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton backend; the sdpa_paged
         reference syncs with the host and always runs eagerly).
     compile: torch.compile the decode step before capture (CUDA only).
-    lora_kernels: with the Triton backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in
-        decode-sized steps (same parameters, PEFT's function); False keeps PEFT's own forward.
+    lora_kernels: with the Triton backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode
+        steps and long prefill steps (same parameters, PEFT's function); False keeps PEFT's own forward.
     max_cache_gib: cap on KV memory when num_blocks is None.
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
     progress_bar: None = only when stderr is a terminal.

@@ -36,20 +36,18 @@ def peft_and_kernel(model, layer, x):
 
 
 class Calls(list):
-    """Rows of each kernel call; `fused`: whether each computed the base GEMMs too; `modes`: its base mode."""
-    fused: list
+    """Rows of each kernel call; `modes`: where each took the base GEMMs from (kernels.READ_BASE: torch's)."""
     modes: list
 
 
 @pytest.fixture
 def spy(monkeypatch):
     calls = Calls()
-    calls.fused, calls.modes = [], []
+    calls.modes = []
     original = kernels._lora_group
 
     def counting(*args):
         calls.append(args[0].shape[0])
-        calls.fused.append(args[3] is not None)
         calls.modes.append(args[11])
         return original(*args)
     monkeypatch.setattr(kernels, "_lora_group", counting)
@@ -80,6 +78,7 @@ def test_kernel_rounds_like_peft_with_bf16_adapters():
 
 def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy, monkeypatch):
     monkeypatch.setattr(fast_forward, "HOST_BOUND_ROWS", range(4, 6))
+    monkeypatch.setattr(fast_forward, "KERNEL_MAX_ELEMENTS", 7 * 32)
     model, layer = lora_stack(32, 16, 4, dropout=0.5)
     x = torch.randn(6, 32, device=DEVICE)
     with torch.no_grad(), lora_kernels(model):
@@ -89,6 +88,7 @@ def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy, monkeypatch):
         with model.disable_adapter():
             layer(x)
         layer(x[:4])                                   # a host-bound size: PEFT's forward
+        layer(torch.randn(8, 32, device=DEVICE))        # beyond the kernel's offsets: PEFT's forward
         layer(x[:3])                                   # these two take the kernel
         layer(x)
     assert spy == [3, 6]
@@ -115,12 +115,20 @@ def test_partials_are_summed_over_every_k_split(split_k, block_k):
     torch.testing.assert_close(got, base + 0.5 * (x @ lora_a.T) @ lora_b.T, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("split_k, block_k", [(96, 64), (48, 48), (64, 8)])
+@pytest.mark.parametrize("split_k, block_k", [(96, 64), (48, 48), (64, 8), (None, 256)])
 def test_tiles_that_would_miscount_features_are_refused(split_k, block_k):
+    """Explicit splits, and the split chosen for 2 rows (SHRINK_SPLIT_K), that block_k does not divide."""
     x = torch.randn(2, 200, device=DEVICE)
     with pytest.raises(ValueError, match="block_k"):
         kernels.lora_add(x, torch.zeros(2, 4, device=DEVICE), torch.randn(4, 200, device=DEVICE),
                          torch.randn(4, 4, device=DEVICE), 1.0, split_k=split_k, block_k=block_k)
+
+
+def test_sizes_beyond_int32_offsets_are_refused():
+    x = torch.zeros(1, 4096, device=DEVICE).expand(2**20, 4096)       # 2^32 elements, none allocated
+    with pytest.raises(ValueError, match="int32 offsets"):
+        kernels.lora_add(x, torch.zeros(1, 8, device=DEVICE).expand(2**20, 8), torch.randn(4, 4096, device=DEVICE),
+                         torch.randn(8, 4, device=DEVICE), 1.0)
 
 
 @pytest.mark.gpu
@@ -211,11 +219,13 @@ BASE_MODES = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.
 def test_projections_that_share_an_input_take_one_launch_pair(arch, base, spy, monkeypatch):
     """q/k/v and gate/up: the first member called computes all of them (one kernel call), the others take their
     outputs; the whole model's logits match PEFT's forward, with the base GEMMs (Qwen2: with q/k/v biases) in the
-    kernel's expand launch, split over K in its shrink launch (two splits), or by torch."""
+    kernel's expand launch, split over K in its shrink launch (2 splits of 64 input features, 4 of 128), or by
+    torch."""
     mode = BASE_MODES[base]
     monkeypatch.setattr(kernels, "FUSED_BASE_MAX_ROWS", 0 if mode is None else kernels.FUSED_BASE_MAX_ROWS)
     monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if mode == kernels.GEMM_BASE else 10**9)
-    monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (kernels.SHRINK_BLOCK_K, 32))
+    monkeypatch.setattr(kernels, "SHRINK_BLOCK_K", 32)
+    monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (32, 32))
     model = _decoder_with_lora(arch)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]], device=DEVICE)
     with torch.no_grad():
@@ -263,29 +273,30 @@ def test_group_kernel_matches_each_member_alone():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("base", ["gemm_in_expand", "split_k_in_shrink", "torch_for_long_inputs"])
 def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy, monkeypatch):
-    """lora_linear_group = nn.Linear's x W^T + b, then lora_add_group, for members of different widths; the base
-    GEMMs in the expand launch, over two K splits and several column tiles in the shrink launch, or (inputs
-    wider than FUSED_BASE_MAX_K) by torch."""
+    """lora_linear_group = nn.Linear's x W^T + b, then lora_add_group, for three members of different widths and
+    ranks over two row tiles; the base GEMMs in the expand launch, over five K splits and several column tiles in
+    the shrink launch, or (inputs wider than FUSED_BASE_MAX_K) by torch."""
     monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if base == "gemm_in_expand" else 10**9)
     monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (kernels.SHRINK_BLOCK_K, 32))
-    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_K", 199 if base == "torch_for_long_inputs" else 4096)
+    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_K", 599 if base == "torch_for_long_inputs" else 4096)
     torch.manual_seed(1)
-    x = torch.randn(6, 200, device=DEVICE)
-    shapes = [(70, 8), (24, 4)]
-    weights = [torch.randn(n, 200, device=DEVICE) for n, _ in shapes]
+    x = torch.randn(19, 600, device=DEVICE)
+    shapes = [(70, 8), (24, 4), (130, 16)]
+    weights = [torch.randn(n, 600, device=DEVICE) for n, _ in shapes]
     biases = [torch.randn(n, device=DEVICE) for n, _ in shapes] if bias else []
-    lora_as = [torch.randn(r, 200, device=DEVICE) for _, r in shapes]
+    lora_as = [torch.randn(r, 600, device=DEVICE) for _, r in shapes]
     lora_bs = [torch.randn(n, r, device=DEVICE) for n, r in shapes]
-    got = kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, [0.5, 2.0])
-    bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None, None])]
-    expected = kernels.lora_add_group(x, bases, lora_as, lora_bs, [0.5, 2.0])
+    scalings = [0.5, 2.0, 1.5]
+    got = kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, scalings)
+    bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * 3)]
+    expected = kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings)
     modes = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.SUMMED_BASE,
              "torch_for_long_inputs": kernels.READ_BASE}
     assert spy.modes[0] == modes[base]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-5)
-    with pytest.raises(ValueError, match="biases for all 2 members or none"):
-        kernels.lora_linear_group(x, weights, biases[:1] or weights[:1], lora_as, lora_bs, [0.5, 2.0])
+    with pytest.raises(ValueError, match="biases for all 3 members or none"):
+        kernels.lora_linear_group(x, weights, biases[:1] or weights[:1], lora_as, lora_bs, scalings)
 
 
 def test_shared_input_hand_off_compiles_to_one_graph(monkeypatch):
@@ -349,7 +360,7 @@ def test_linear_subclasses_keep_their_own_forward(spy):
         expected = _q_k_v(model, x, x)
         with lora_kernels(model):
             got = _q_k_v(model, x, x)
-    assert spy == [3] and spy.fused == [False]
+    assert spy == [3] and spy.modes == [kernels.READ_BASE]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 

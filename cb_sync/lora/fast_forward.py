@@ -4,13 +4,13 @@ The swapped forward reads the very `lora_A` / `lora_B` parameters the trainer up
 PEFT's function, also under autocast; anything it does not cover goes to PEFT's own forward: several active
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
 (accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute,
-non-Linear base layers, and eager steps of HOST_BOUND_ROWS rows.
+non-Linear base layers, eager steps of HOST_BOUND_ROWS rows, and steps too large for the kernel's int32 offsets.
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
 computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
 returns its output instead of computing it. For plain nn.Linear base layers the kernel also computes the base
-GEMMs where it is faster (`kernels.FUSED_BASE_MAX_ROWS`; the row count is decided inside the op, so torch.compile
-has no size to guard).
+GEMMs where it is faster (up to `kernels.FUSED_BASE_MAX_ROWS` rows and `kernels.FUSED_BASE_MAX_K` input features;
+decided inside the op, so torch.compile has no size to guard).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from contextlib import contextmanager
 import torch
 
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
+KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within reach of the kernel's int32 offsets
 HOST_BOUND_ROWS = range(257, 4096)   # uncompiled steps of these sizes are bound by the host's launch costs, and
-# PEFT's forward measured faster there (benchmarks/NOTES.md, attempt 10); decode steps, which replay captured
-# graphs, and long prefill steps take the kernel
+# PEFT's forward measured faster there (benchmarks/NOTES.md, attempt 10); decode steps of up to 256 rows (replayed
+# graphs; larger buckets keep PEFT's forward both captured and uncaptured) and long prefill steps take the kernel
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -93,8 +94,12 @@ def _kernel_adapter(module, x: torch.Tensor):
     Under autocast PEFT's A and B products run in the autocast dtype, so the kernel rounds to it.
     """
     names = [name for name in module.active_adapters if name in module.lora_A.keys()]
-    host_bound = not torch.compiler.is_compiling() and x.shape[:-1].numel() in HOST_BOUND_ROWS
-    if (len(names) != 1 or module.disable_adapters or module.merged or _hooked(module) or host_bound
+    base = module.base_layer
+    if not torch.compiler.is_compiling():     # compiled steps are decode steps: no size test to guard on
+        rows = x.shape[:-1].numel()
+        if rows in HOST_BOUND_ROWS or rows * max(base.in_features, base.out_features) > KERNEL_MAX_ELEMENTS:
+            return None
+    if (len(names) != 1 or module.disable_adapters or module.merged or _hooked(module)
             or not getattr(module, "cast_input_dtype_enabled", True)):
         return None
     name = names[0]
@@ -102,7 +107,6 @@ def _kernel_adapter(module, x: torch.Tensor):
     weights = (lora_a.weight, lora_b.weight)
     dropout_active = module.training and not isinstance(module.lora_dropout[name], torch.nn.Identity)
     variant = name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False)
-    base = module.base_layer
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(
         p is not None and p.requires_grad for p in (*weights, base.weight, base.bias)))
     if (variant or dropout_active or getattr(lora_b, "bias", None) is not None or _hooked(lora_a) or _hooked(lora_b)
@@ -116,7 +120,7 @@ def _kernel_adapter(module, x: torch.Tensor):
 
 
 def _base_fusable(layers: list, x: torch.Tensor) -> bool:
-    """Whether the kernel may compute the base layers too (it does so up to `kernels.FUSED_BASE_MAX_ROWS` rows):
+    """Whether the kernel may compute the base layers too (it does where it is faster: `kernels.lora_linear_group`):
     plain nn.Linear layers (a subclass may compute something else) with plain weights of x's dtype and device,
     biases on all layers or none, no hooks, no autocast."""
     weights = [layer.weight for layer in layers]

@@ -9,7 +9,11 @@ computes x A_i^T for every member over K splits into fp32 partials (no atomics, 
 spanning all members' outputs. Intermediates are rounded to the compute dtype (the adapter's, or autocast's)
 where PEFT's modules round them, and sums run in fp32 as cuBLAS's do; fp32 products run on bf16 tensor cores
 with each operand split into three bf16 parts (`_dot`). Grids depend only on shapes (CUDA-graph safe).
-Prefill-sized inputs (LARGE_ROWS and more) take 64-row tiles and one K split (no partials to sum).
+Prefill-sized inputs (LARGE_ROWS and more) take 64-row tiles and, by default, one K split.
+
+`lora_linear_group` also computes the base GEMMs x W_i^T (+ bias) for few rows: in the expand launch for wide
+groups (GEMM_BASE), or split over K by extra programs of the shrink launch whose fp32 partials the expand launch
+sums in a fixed order (SUMMED_BASE), so narrow layers still fill the GPU.
 """
 
 import os
@@ -19,11 +23,11 @@ import triton
 import triton.language as tl
 
 MAX_MEMBERS = 3       # projections per launch
-BLOCK_M = 16          # rows per program
-SHRINK_SPLIT_K = 128  # input features per shrink program up to FUSED_BASE_MAX_ROWS rows, read SHRINK_BLOCK_K a load
+BLOCK_M = 16          # rows per program below LARGE_ROWS
+SHRINK_SPLIT_K = 128  # input features per shrink program below MID_ROWS rows, read SHRINK_BLOCK_K a load
 SHRINK_BLOCK_K = 128  # (benchmarks/NOTES.md, attempt 8)
 EXPAND_BLOCK_N = 64
-MID_SPLIT_K = 256     # shrink split above FUSED_BASE_MAX_ROWS rows (benchmarks/NOTES.md, attempt 10)
+MID_ROWS, MID_SPLIT_K = 33, 256   # the shrink split from MID_ROWS rows on (benchmarks/NOTES.md, attempt 10)
 LARGE_ROWS = 256      # from this many rows on, LARGE_BLOCK_M rows per program and a shrink over the whole of K
 LARGE_BLOCK_M = 64
 FUSED_BASE_MAX_ROWS = 32   # `lora_linear_group` computes the base GEMMs in its own launches up to this many rows
@@ -231,7 +235,8 @@ def _padded(values: list, fill) -> list:
     return values + [fill] * (MAX_MEMBERS - len(values))
 
 
-def _check_group(x: torch.Tensor, members: list[list], split_k: int, block_k: int, readers_of_x: list) -> None:
+def _check_group(x: torch.Tensor, members: list[list], split_k: int | None, block_k: int, readers_of_x: list,
+                 out_widths: list[int]) -> None:
     """members: per-member lists (bases or weights, As, Bs, scalings); readers_of_x: the matrices applied to x."""
     if not 1 <= len(members[0]) <= MAX_MEMBERS or any(len(m) != len(members[0]) for m in members):
         raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with one base, A, B and scaling each, got "
@@ -242,13 +247,16 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int, block_k: in
     widths = [m.shape[1] for m in readers_of_x]
     if any(width != x.shape[1] for width in widths):
         raise ValueError(f"every A (and weight) must read x's {x.shape[1]} input features, got {widths}")
+    columns = max([x.shape[1], *out_widths])
+    if x.shape[0] * columns > torch.iinfo(torch.int32).max:
+        raise ValueError(f"{x.shape[0]} rows x {columns} features exceed the kernels' int32 offsets")
 
 
 def _shrink_tiles(m: int, k: int, block_k: int) -> tuple[int, int]:
     """(rows per program, input features per K split) of the LoRA shrink for m rows."""
     if m >= LARGE_ROWS:
         return LARGE_BLOCK_M, triton.cdiv(k, block_k) * block_k
-    return BLOCK_M, SHRINK_SPLIT_K if m <= FUSED_BASE_MAX_ROWS else MID_SPLIT_K
+    return BLOCK_M, SHRINK_SPLIT_K if m < MID_ROWS else MID_SPLIT_K
 
 
 def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
@@ -265,11 +273,14 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     ranks, widths = [a.shape[0] for a in lora_as], [out.shape[1] for out in outs]
     block_r = max(16, triton.next_power_of_2(max(ranks)))
     block_m, default_split = _shrink_tiles(m, k, block_k)
-    split_k = split_k or default_split
+    split_k = default_split if split_k is None else split_k
+    base_split_k, base_block_n = SUMMED_BASE_TILES
+    if split_k % block_k or (base_mode == SUMMED_BASE and base_split_k % block_k):
+        raise ValueError(f"block_k={block_k} must divide the shrink split ({split_k} features for {m} rows) and "
+                         f"the split-K base's ({base_split_k})")
     num_splits = triton.cdiv(k, split_k)
     partial = torch.empty((len(outs), num_splits, m, block_r), dtype=torch.float32, device=x.device)
     row_tiles = triton.cdiv(m, block_m)
-    base_split_k, base_block_n = SUMMED_BASE_TILES
     base_splits = triton.cdiv(k, base_split_k) if base_mode == SUMMED_BASE else 0
     base_partial = torch.empty((base_splits, m, sum(widths)), dtype=torch.float32, device=x.device)
     base_programs = base_splits * sum(triton.cdiv(n, base_block_n) for n in widths)
@@ -284,7 +295,7 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     if base_mode == GEMM_BASE:
         block_m, block_n, block_k = _fused_tiles(m)
     else:
-        block_m, block_n, block_k = min(block_m, max(16, triton.next_power_of_2(m))), EXPAND_BLOCK_N, 16
+        block_n, block_k = EXPAND_BLOCK_N, 16
     column_tiles = sum(triton.cdiv(n, block_n) for n in widths)
     has_bias = biases is not None
     bases, biases = bases or outs, biases or outs                    # unread when absent
@@ -306,7 +317,7 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program (None: chosen by the
     row count), loaded block_k at a time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
-    _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as)
+    _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as, [b.shape[-1] for b in bases])
     bases = [base.contiguous() for base in bases]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
     return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
@@ -319,7 +330,8 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded
     to the weights' dtype (x's), as nn.Linear gives them. Up to FUSED_BASE_MAX_ROWS rows and FUSED_BASE_MAX_K input
     features the kernel computes them (two launches for the whole group, base GEMMs included); beyond, torch does."""
-    _check_group(x, [weights, lora_as, lora_bs, scalings], None, SHRINK_BLOCK_K, lora_as + weights)
+    _check_group(x, [weights, lora_as, lora_bs, scalings], None, SHRINK_BLOCK_K, lora_as + weights,
+                 [w.shape[0] for w in weights])
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
     if x.shape[0] > FUSED_BASE_MAX_ROWS or x.shape[1] > FUSED_BASE_MAX_K:
