@@ -92,6 +92,23 @@ def _dot(a, b, acc, A_IS_BF16: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _x_wt(acc, x_ptr, w_ptr, rows, cols, M, N, K, k_start, k_stop, stride_xm, stride_xk, CAST: tl.constexpr,
+          COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[rows, k_start:k_stop] @ W[cols, k_start:k_stop]^T for a row-major W [N, K] (a weight, or an A),
+    masked to M rows, N columns and K features; with CAST, both operands in the COMPUTE dtype first."""
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
+                    other=0.0)
+        if CAST:
+            x, w = x.to(COMPUTE), w.to(COMPUTE)
+        acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
+    return acc
+
+
+@triton.jit
 def _shrink_tile(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk, pid_m, split,
                  member, num_splits, COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -104,15 +121,10 @@ def _shrink_tile(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, s
         a_ptr, R = a2_ptr, r2
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ranks = tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(split * SPLIT_K, tl.minimum(split * SPLIT_K + SPLIT_K, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        a = tl.load(a_ptr + ranks[None, :] * K + ks[:, None], mask=(ranks[None, :] < R) & (ks[:, None] < K),
-                    other=0.0)
-        # x and A in the compute dtype (PEFT casts x to the adapter dtype; autocast casts both)
-        acc = _dot(x.to(COMPUTE), a.to(COMPUTE), acc, X_IS_BF16, NATIVE)
+    # x and A in the compute dtype (PEFT casts x to the adapter dtype; autocast casts both)
+    acc = _x_wt(tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), x_ptr, a_ptr, rows, ranks, M, R, K, split * SPLIT_K,
+                tl.minimum(split * SPLIT_K + SPLIT_K, K), stride_xm, stride_xk, True, COMPUTE, X_IS_BF16, NATIVE,
+                BLOCK_K)
     offs = ((member * num_splits + split) * M + rows[:, None]) * BLOCK_R + ranks[None, :]
     tl.store(partial_ptr + offs, acc, mask=rows[:, None] < M)
 
@@ -133,14 +145,9 @@ def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_p
         w_ptr, N, first, tile = w2_ptr, n2, n0 + n1, tile - tiles0 - tiles1
     rows = tl.arange(0, BASE_BLOCK_M)
     cols = tile * BASE_BLOCK_N + tl.arange(0, BASE_BLOCK_N)
-    acc = tl.zeros([BASE_BLOCK_M, BASE_BLOCK_N], dtype=tl.float32)
-    for k0 in range(split * BASE_SPLIT_K, tl.minimum(split * BASE_SPLIT_K + BASE_SPLIT_K, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
-                    other=0.0)
-        acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
+    acc = _x_wt(tl.zeros([BASE_BLOCK_M, BASE_BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, rows, cols, M, N, K,
+                split * BASE_SPLIT_K, tl.minimum(split * BASE_SPLIT_K + BASE_SPLIT_K, K), stride_xm, stride_xk,
+                False, tl.float32, X_IS_BF16, NATIVE, BLOCK_K)
     offs = (split * M + rows[:, None]) * (n0 + n1 + n2) + first + cols[None, :]
     tl.store(base_partial_ptr + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -204,13 +211,8 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if BASE == 1:
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-                w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
-                            other=0.0)
-                acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
+            acc = _x_wt(acc, x_ptr, w_ptr, rows, cols, M, N, K, 0, K, stride_xm, 1, False, tl.float32, X_IS_BF16,
+                        NATIVE, BLOCK_K)
         else:
             for split in range(base_splits):
                 acc += tl.load(base_partial_ptr + (split * M + rows[:, None]) * (n0 + n1 + n2) + first + cols[None, :],
