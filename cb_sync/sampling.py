@@ -56,16 +56,17 @@ class SamplingBatch:
     sort_vocabulary: bool = True   # False: every filtered row uses the candidates (uses_candidates)
 
 
-def candidate_row(params) -> bool:
-    """Whether this request's filters run on the top CANDIDATES tokens: a top-k of at most MAX_CANDIDATE_TOP_K
-    (the rest of the vocabulary cannot pass it unless tied with the k-th value, which sample() detects)."""
-    return 0 < params.top_k <= MAX_CANDIDATE_TOP_K
+def candidate_top_k(top_k):
+    """Whether filters with this top_k (an int, or a tensor of them) run on the top CANDIDATES tokens: a top-k of at
+    most MAX_CANDIDATE_TOP_K (the rest of the vocabulary cannot pass it unless tied with the k-th value, which
+    sample() detects)."""
+    return (top_k > 0) & (top_k <= MAX_CANDIDATE_TOP_K)
 
 
 def uses_candidates(params) -> bool:
     """Whether every sampling row is a candidate row, so no row needs the sorted vocabulary."""
     sampled = [p for p in params if p.do_sample]
-    return bool(sampled) and all(candidate_row(p) for p in sampled)
+    return bool(sampled) and all(candidate_top_k(p.top_k) for p in sampled)
 
 
 def sampling_columns(requests) -> dict[str, tuple[list, torch.dtype]]:
@@ -103,7 +104,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     """Choose one token per row of logits [S, V]: (token ids int64 [S], their logprobs float32 [S], tied).
 
     Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes);
-    greedy rows use temperature 1. Candidate rows (candidate_row) filter the top CANDIDATES tokens, the other
+    greedy rows use temperature 1. Candidate rows (candidate_top_k) filter the top CANDIDATES tokens, the other
     filtered rows the sorted vocabulary; a candidate row whose top-k kept every candidate (values tied with the
     k-th may lie beyond them) takes the sorted vocabulary's draw. Without batch.sort_vocabulary only candidates
     are computed and `tied` (bool [S]) flags those rows, to be sampled again with sort_vocabulary=True
@@ -139,7 +140,7 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.
     order, by_id = order.sort(dim=-1)
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
     tokens, tied = _filter_and_draw(values, order.gather(1, by_value), batch)
-    candidate_rows = (batch.top_k > 0) & (batch.top_k <= MAX_CANDIDATE_TOP_K)
+    candidate_rows = candidate_top_k(batch.top_k)
     tied &= batch.do_sample & candidate_rows & (values.shape[1] < vocab)
     if not batch.sort_vocabulary:
         return tokens, tied
