@@ -57,9 +57,11 @@ def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=Tr
 
 def _time_steps(driver) -> dict[str, list[float]]:
     """Wall time of every runner step of the driver's next calls, split into graph replays and eager steps
-    (each step ends in a host read of its tokens, so wall time is the step's whole time)."""
+    (each step ends in a host read of its tokens, so wall time is the step's whole time). Replays launched back
+    to back (the driver's decode chains) get an equal share of their chain's wall time."""
     runner, steps = driver.runner, {"replay": [], "eager": []}
-    run_step = runner.step
+    run_step, launch, run_chain = runner.step, runner.launch, driver._run_decode_chain
+    launches = []
 
     def timed(plan):
         kind = "replay" if runner.replays(plan) else "eager"
@@ -67,7 +69,17 @@ def _time_steps(driver) -> dict[str, list[float]]:
         out = run_step(plan)
         steps[kind].append(time.perf_counter() - start)
         return out
-    runner.step = timed
+
+    def counted(plan, ahead=False):
+        launches.append(1)
+        return launch(plan, ahead)
+
+    def timed_chain(*args):
+        launches.clear()
+        start = time.perf_counter()
+        run_chain(*args)
+        steps["replay"] += [(time.perf_counter() - start) / len(launches)] * len(launches)
+    runner.step, runner.launch, driver._run_decode_chain = timed, counted, timed_chain
     return steps
 
 

@@ -14,7 +14,7 @@ from .config import CBConfig, SamplingParams
 from .graphs.decode_graphs import DecodeGraphs
 from .lora import lora_kernels
 from .model_state import base_model, check_supported, generation_mode
-from .request import GenerationResult, Request
+from .request import GenerationResult, Request, Status
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -101,12 +101,39 @@ class SyncCBDriver:
             plan = scheduler.schedule()
             if not plan:
                 raise RuntimeError("the scheduler could not place any request in the cache")
-            sampled, tokens, logprobs = self.runner.step(plan)
-            for request, token, logprob in zip(sampled, tokens, logprobs):
-                request.append(token, logprob)
-            for request in scheduler.finish_step(plan):
-                bar.update(request.params.max_new_tokens - len(request.output))
-            bar.update(len(sampled))
+            if self.runner.chains(plan):
+                self._run_decode_chain(scheduler, plan, bar)
+            else:
+                self._finish_step(scheduler, plan, *self.runner.step(plan), bar)
+
+    def _run_decode_chain(self, scheduler: Scheduler, plan: list, bar: tqdm) -> None:
+        """Pure-decode steps back to back: each step is launched before the tokens of the one before it are read
+        (it takes them on the device), so the host's work and the reads overlap the GPU's. A request that ends on
+        a stop or EOS token has had one more row computed in the step after: that row is dropped."""
+        launched = self.runner.launch(plan)
+        while True:
+            following = scheduler.plan_ahead(plan)
+            launched_next = self.runner.launch(following, ahead=True) if following else None
+            self._finish_step(scheduler, plan, *self.runner.collect(plan, launched), bar)
+            if following is None:
+                return
+            if any(chunk.request.status is Status.FINISHED for chunk in following):
+                sampled, tokens, logprobs = self.runner.collect(following, launched_next)
+                live = [i for i, chunk in enumerate(following) if chunk.request.status is not Status.FINISHED]
+                self._finish_step(scheduler, [following[i] for i in live], [sampled[i] for i in live],
+                                  [tokens[i] for i in live], [logprobs[i] for i in live], bar)
+                return
+            plan, launched = following, launched_next
+
+    @staticmethod
+    def _finish_step(scheduler: Scheduler, plan: list, sampled: list[Request], tokens: list[int],
+                     logprobs: list[float], bar: tqdm) -> None:
+        """Append the sampled tokens, advance the scheduler, count progress."""
+        for request, token, logprob in zip(sampled, tokens, logprobs):
+            request.append(token, logprob)
+        for request in scheduler.finish_step(plan):
+            bar.update(request.params.max_new_tokens - len(request.output))
+        bar.update(len(sampled))
 
     def _check_fits(self, requests: list[Request]) -> None:
         """ValueError for a request longer than the model's learned positions or than the whole cache."""

@@ -69,8 +69,9 @@ def uses_candidates(params) -> bool:
     return bool(sampled) and all(candidate_top_k(p.top_k) for p in sampled)
 
 
-def sampling_columns(requests) -> dict[str, tuple[list, torch.dtype]]:
-    """Host-side values of each SamplingBatch tensor for these requests (greedy rows get temperature 1)."""
+def sampling_columns(requests, ahead: int = 0) -> dict[str, tuple[list, torch.dtype]]:
+    """Host-side values of each SamplingBatch tensor for these requests (greedy rows get temperature 1), for the
+    token after their next one when `ahead` is 1."""
     params = [r.params for r in requests]
     return {
         "do_sample": ([p.do_sample for p in params], torch.bool),
@@ -79,7 +80,7 @@ def sampling_columns(requests) -> dict[str, tuple[list, torch.dtype]]:
         "top_p": ([float(p.top_p) for p in params], torch.float32),
         "min_p": ([float(p.min_p) for p in params], torch.float32),
         "seeds": ([r.seed for r in requests], torch.int64),
-        "positions": ([len(r.output) for r in requests], torch.int64),
+        "positions": ([len(r.output) + ahead for r in requests], torch.int64),
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -40,10 +42,11 @@ def test_static_decode_path_matches_hf_greedy():
     prompts = random_prompts([3, 20, 41, 9, 17])
     driver = _driver_with_static_path(model, max_batch_size=8, block_size=8)
     replays = []
-    original = driver.graphs.run
-    driver.graphs.run = lambda requests: replays.append(len(requests)) or original(requests)
+    original = driver.graphs.launch
+    driver.graphs.launch = lambda requests, ahead=False: replays.append((len(requests), ahead)) or original(
+        requests, ahead)
     results = driver.generate(prompts, [SamplingParams(max_new_tokens=n) for n in (12, 7, 10, 3, 9)])
-    assert replays and max(replays) == 5
+    assert max(replays) == (5, True)
     for prompt, n, result in zip(prompts, (12, 7, 10, 3, 9), results):
         assert result.token_ids == hf_greedy(model, prompt, n)
 
@@ -57,6 +60,32 @@ def test_static_path_sampling_equals_eager_path():
     eager = SyncCBDriver(model).generate(prompts, params)
     assert [r.token_ids for r in static] == [r.token_ids for r in eager]
     torch.testing.assert_close(torch.tensor([r.logprobs for r in static]), torch.tensor([r.logprobs for r in eager]))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sampled):
+    """Decode steps launched before the previous step's tokens are read: requests that end on a stop token (a
+    row already computed past their end), others that wait for a place in the batch, and lengths that end the
+    chain; tokens, logprobs and finish reasons equal to the eager path's."""
+    model = make_model("llama")
+    prompts = random_prompts([5, 12, 30, 7, 19, 3])
+    eager = SyncCBDriver(model, CBConfig(max_batch_size=3, block_size=4)).generate(
+        prompts, SamplingParams(max_new_tokens=30, do_sample=sampled, seed=5, logprobs=True))
+    common = [t for t, _ in Counter(t for r in eager for t in r.token_ids[2:]).most_common(2)]
+    params = [SamplingParams(max_new_tokens=n, do_sample=sampled, seed=5, logprobs=True, stop_token_ids=common)
+              for n in (30, 9, 30, 4, 30, 17)]
+    driver = _driver_with_static_path(model, max_batch_size=3, block_size=4)
+    ahead = []
+    original = driver.graphs.launch
+    driver.graphs.launch = lambda requests, chained=False: ahead.append(chained) or original(requests, chained)
+    static = driver.generate(prompts, params)
+    reference = SyncCBDriver(model, CBConfig(max_batch_size=3, block_size=4)).generate(prompts, params)
+    assert sum(ahead) >= 5 and not all(ahead)
+    assert any(r.finish_reason == "stop" and len(r.token_ids) < p.max_new_tokens for r, p in zip(static, params))
+    assert [r.token_ids for r in static] == [r.token_ids for r in reference]
+    assert [r.finish_reason for r in static] == [r.finish_reason for r in reference]
+    for a, b in zip(static, reference):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
 def test_sampling_mode():

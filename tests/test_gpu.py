@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -66,6 +67,28 @@ def test_driver_with_graphs_matches_hf_greedy_fp32(arch):
     assert driver.graphs.graphs, "pure-decode steps should have replayed graphs"
     for prompt, result in zip(prompts, results):
         assert result.token_ids == _hf_greedy_cuda(model, prompt, 24)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_steps_launched_ahead_equal_steps_run_one_by_one(sampled, monkeypatch):
+    """Decode steps queued before the previous step's tokens are read (the input ids taken on the GPU, host
+    buffers in turn) give the tokens and logprobs of steps run one at a time, with requests ending on stop tokens
+    and others waiting for a place in the batch."""
+    model = _cuda_model()
+    prompts = random_prompts([5, 12, 30, 7, 19, 3, 40, 9])
+    config = CBConfig(max_batch_size=4, block_size=16)
+    free = SyncCBDriver(model, config).generate(prompts, SamplingParams(max_new_tokens=60, do_sample=sampled, seed=0))
+    stops = [t for t, _ in Counter(t for r in free for t in r.token_ids[2:]).most_common(2)]
+    params = [SamplingParams(max_new_tokens=n, do_sample=sampled, seed=i, logprobs=True, stop_token_ids=stops)
+              for i, n in enumerate((60, 9, 60, 4, 60, 17, 33, 60))]
+    ahead = SyncCBDriver(model, config).generate(prompts, params)
+    from cb_sync.runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "chains", lambda self, plan: False)
+    one_by_one = SyncCBDriver(model, config).generate(prompts, params)
+    assert [r.token_ids for r in ahead] == [r.token_ids for r in one_by_one]
+    assert any(r.finish_reason == "stop" for r in ahead)
+    for a, b in zip(ahead, one_by_one):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
 def test_optimizer_step_seen_without_recapture_and_swap_recaptures():

@@ -46,10 +46,14 @@ def model_logits(model, inputs: dict, positions, meta):
     return model(**inputs, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
 
 
+COMPILE_OPTIONS = {"combo_kernels": True}   # independent elementwise kernels (the q and k norms and rotary
+# embeddings, ...) in one launch: batch 32's compiled step 5.63 -> 5.31 ms (benchmarks/NOTES.md, attempt 11)
+
+
 @functools.cache
 def compiled_model_logits():
     """One compiled function for every driver: dynamo caches per code object and guards on the model passed."""
-    return torch.compile(model_logits)
+    return torch.compile(model_logits, options=COMPILE_OPTIONS)
 
 
 class DecodeGraphs:
@@ -108,6 +112,9 @@ class DecodeGraphs:
         self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(n, device=device)
         self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
+        # the outputs on the host, two in turn: one step's are read while the next step's are on their way
+        self.out_host = [torch.zeros(3, n, dtype=torch.float64, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.out_turn = 0
 
     # -- the step -------------------------------------------------------------------------------------------
 
@@ -206,29 +213,53 @@ class DecodeGraphs:
 
     def run(self, requests) -> tuple[list[int], list[float]]:
         """Fill the static buffers for these decoding requests, replay the bucket's graph, read the tokens."""
+        return self.collect(self.launch(requests))
+
+    def launch(self, requests, ahead: bool = False) -> _Launched:
+        """Fill the static buffers, replay the bucket's graph and start copying its outputs to the host.
+
+        ahead: the requests of the step just launched, each one position further on, fed the tokens that step
+        samples (taken on the device, so this step can be queued before that one's tokens are read; its graph
+        was captured for that step, and TOP_K mode, whose ties redo a step, is not launched ahead)."""
         n = len(requests)
         bucket = bucket_for(n, self.buckets)
         mode = sampling_mode(r.params for r in requests)
         if (bucket, mode) not in self.graphs:
+            assert not ahead, "a step launched ahead replays the graph of the step before it"
             self._capture_all(mode)
-        self._fill_host(requests, bucket, mode)
+        self._fill_host(requests, bucket, mode, int(ahead))
         self.step_inputs.upload()
+        if ahead:
+            self.input_ids[:n].copy_(self.out_tokens[:n])
         self.graphs[(bucket, mode)].replay()
-        tokens, logprobs, tied = self._read(n, mode)    # waits for the step: the host buffer is free again
+        outputs = [self.out_tokens[:n], self.out_logprobs[:n]] + ([self.out_tied[:n]] if mode == TOP_K else [])
+        host = self.out_host[self.out_turn][:len(outputs), :n]
+        self.out_turn ^= 1
+        host.copy_(torch.stack([t.double() for t in outputs]), non_blocking=True)
+        done = torch.cuda.Event() if host.is_pinned() else None
+        if done is not None:
+            done.record()
+        return _Launched(bucket, mode, host, done)
+
+    def collect(self, launched: _Launched) -> tuple[list[int], list[float]]:
+        """Wait for a launched step and read its tokens and logprobs (redoing a TOP_K step whose top-k tie ran
+        past the candidates, rare, uncaptured over the sorted vocabulary)."""
+        tokens, logprobs, tied = launched.read()
         if any(tied):
-            # a top-k tie ran past the candidates (rare): the same step, uncaptured, with the sorted vocabulary
-            self.step(bucket, FILTERED)
-            tokens, logprobs, _ = self._read(n, FILTERED)
+            n = len(tokens)
+            self.step(launched.bucket, FILTERED)
+            host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double()]).tolist()
+            tokens, logprobs = [int(t) for t in host[0]], host[1]
         return tokens, logprobs
 
-    def _fill_host(self, requests, bucket: int, mode: int) -> None:
+    def _fill_host(self, requests, bucket: int, mode: int, ahead: int) -> None:
         host, block_size, n = self.step_inputs.host, self.cache.block_size, len(requests)
         ids, positions, slots = [], [], []
         tables = host["tables"]
         tables[:bucket] = 0                 # padded rows: no stale block ids from an earlier, larger cache
         for i, r in enumerate(requests):
-            p = r.num_computed
-            ids.append(r.token_slice(p, p + 1)[0])
+            p = r.num_computed + ahead
+            ids.append(0 if ahead else r.token_slice(p, p + 1)[0])
             positions.append(p)
             slots.append(r.blocks[p // block_size] * block_size + p % block_size)
             tables[i, :len(r.blocks)] = r.blocks
@@ -238,15 +269,22 @@ class DecodeGraphs:
         host["slots"][:bucket] = slots + [-1] * pad
         host["seq_lens"][:bucket] = [p + 1 for p in positions] + [0] * pad
         if mode != GREEDY:                          # a greedy graph reads no sampling column
-            for name, (values, _) in sampling_columns(requests).items():
+            for name, (values, _) in sampling_columns(requests, ahead).items():
                 host["sample_positions" if name == "positions" else name][:n] = values
 
-    def _read(self, n: int, mode: int) -> tuple[list[int], list[float], list[bool]]:
-        """The step's tokens, logprobs and (TOP_K mode) tied flags on the host."""
-        outputs = [self.out_tokens[:n], self.out_logprobs[:n]] + ([self.out_tied[:n]] if mode == TOP_K else [])
-        host = torch.stack([t.double() for t in outputs]).tolist()
-        tied = [bool(t) for t in host[2]] if mode == TOP_K else [False] * n
-        return [int(t) for t in host[0]], host[1], tied
+
+class _Launched:
+    """A replayed step whose outputs are on their way to the host (rows: tokens, logprobs, TOP_K's tied flags)."""
+
+    def __init__(self, bucket: int, mode: int, host: torch.Tensor, done):
+        self.bucket, self.mode, self.host, self.done = bucket, mode, host, done
+
+    def read(self) -> tuple[list[int], list[float], list[bool]]:
+        if self.done is not None:
+            self.done.synchronize()
+        rows = self.host.tolist()
+        tied = [bool(t) for t in rows[2]] if self.mode == TOP_K else [False] * len(rows[0])
+        return [int(t) for t in rows[0]], rows[1], tied
 
 
 class _EagerStep:

@@ -81,6 +81,19 @@ class Scheduler:
             budget -= length
         return plan
 
+    def plan_ahead(self, plan: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
+        """The pure-decode step after `plan` (a pure-decode step not yet finished), planned before its tokens are
+        known: the same requests, one position on, with their blocks reserved. None where the next schedule()
+        could differ by more than requests ending on a stop or EOS token: a request that reaches max_new_tokens,
+        a waiting request that could be admitted, or a block that is not free (no preemption here)."""
+        if self.waiting and len(self.running) < self.max_batch_size:
+            return None
+        if any(len(c.request.output) + 2 > c.request.params.max_new_tokens for c in plan):
+            return None
+        if not all(self._reserve(c.request, c.start + 2) for c in plan):
+            return None
+        return [ScheduledChunk(c.request, c.start + 1, 1) for c in plan]
+
     def finish_step(self, plan: list[ScheduledChunk]) -> list[Request]:
         """Advance the computed counts after a step; free and return the requests that finished."""
         finished = []
