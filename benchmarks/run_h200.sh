@@ -11,15 +11,19 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 stage=${1:-tests}; shift || true
+name=""; previous=""
+for arg in "$@"; do [ "$previous" = --name ] && name=$arg; previous=$arg; done
 case "$stage" in
   tests)
     timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_lora_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
   throughput)
-    timeout 550 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/throughput.log"
-    cp benchmarks/results/throughput*.json benchmarks/results/throughput*.md "$OUT/" 2>/dev/null ;;
+    name=${name:-throughput}     # only this run's files come back (a transfer holds a handful of files)
+    timeout 550 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/$name.log"
+    cp benchmarks/results/"$name".{json,md,png} "$OUT/" 2>/dev/null ;;
   decode)
-    timeout 550 python -m benchmarks.decode_graphs "$@" 2>&1 | tee "$OUT/decode_graphs.log"
-    cp benchmarks/results/decode_graphs.* "$OUT/" 2>/dev/null ;;
+    name=${name:-decode_graphs}
+    timeout 550 python -m benchmarks.decode_graphs "$@" 2>&1 | tee "$OUT/$name.log"
+    cp benchmarks/results/"$name".{json,md} "$OUT/" 2>/dev/null ;;
   loop)
     timeout 550 python -m benchmarks.decode_loop --out "$OUT" "$@" 2>&1 | tee "$OUT/decode_loop.log" ;;
   grpo)
