@@ -109,7 +109,8 @@ class SyncCBDriver:
     def _run_decode_chain(self, scheduler: Scheduler, plan: list, bar: tqdm) -> None:
         """Pure-decode steps back to back: each step is launched before the tokens of the one before it are read
         (it takes them on the device), so the host's work and the reads overlap the GPU's. A request that ends on
-        a stop or EOS token has had one more row computed in the step after: that row is dropped."""
+        a stop or EOS token has had one more row computed in the step after: that row is dropped, and a waiting
+        request takes its place one step later than it would with steps run one at a time."""
         launched = self.runner.launch(plan)
         while True:
             following = scheduler.plan_ahead(plan)

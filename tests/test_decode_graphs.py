@@ -75,12 +75,18 @@ def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sa
     params = [SamplingParams(max_new_tokens=n, do_sample=sampled, seed=5, logprobs=True, stop_token_ids=common)
               for n in (30, 9, 30, 4, 30, 17)]
     driver = _driver_with_static_path(model, max_batch_size=3, block_size=4)
-    ahead = []
+    ahead, contiguous = [], []
     original = driver.graphs.launch
-    driver.graphs.launch = lambda requests, chained=False: ahead.append(chained) or original(requests, chained)
+
+    def launch(requests, chained=False):
+        launched = original(requests, chained)
+        ahead.append(chained)
+        contiguous.append(launched.host.is_contiguous())   # a copy into a strided host view would be synchronous
+        return launched
+    driver.graphs.launch = launch
     static = driver.generate(prompts, params)
     reference = SyncCBDriver(model, CBConfig(max_batch_size=3, block_size=4)).generate(prompts, params)
-    assert sum(ahead) >= 5 and not all(ahead)
+    assert sum(ahead) >= 5 and not all(ahead) and all(contiguous)
     assert any(r.finish_reason == "stop" and len(r.token_ids) < p.max_new_tokens for r, p in zip(static, params))
     assert [r.token_ids for r in static] == [r.token_ids for r in reference]
     assert [r.finish_reason for r in static] == [r.finish_reason for r in reference]

@@ -81,7 +81,11 @@ def test_steps_launched_ahead_equal_steps_run_one_by_one(sampled, monkeypatch):
     stops = [t for t, _ in Counter(t for r in free for t in r.token_ids[2:]).most_common(2)]
     params = [SamplingParams(max_new_tokens=n, do_sample=sampled, seed=i, logprobs=True, stop_token_ids=stops)
               for i, n in enumerate((60, 9, 60, 4, 60, 17, 33, 60))]
-    ahead = SyncCBDriver(model, config).generate(prompts, params)
+    driver = SyncCBDriver(model, config)
+    launches, launch = [], driver.graphs.launch
+    driver.graphs.launch = lambda requests, ahead=False: launches.append(ahead) or launch(requests, ahead)
+    ahead = driver.generate(prompts, params)
+    assert sum(launches) >= 5 and not all(launches)
     from cb_sync.runner import ModelRunner
     monkeypatch.setattr(ModelRunner, "chains", lambda self, plan: False)
     one_by_one = SyncCBDriver(model, config).generate(prompts, params)

@@ -112,8 +112,9 @@ class DecodeGraphs:
         self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(n, device=device)
         self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
-        # the outputs on the host, two in turn: one step's are read while the next step's are on their way
-        self.out_host = [torch.zeros(3, n, dtype=torch.float64, pin_memory=device.type == "cuda") for _ in range(2)]
+        # the outputs on the host, two in turn: one step's are read while the next step's are on their way (flat, so
+        # that every step's [fields, rows] view is contiguous: a copy into a strided host view would wait for the step)
+        self.out_host = [torch.zeros(3 * n, dtype=torch.float64, pin_memory=device.type == "cuda") for _ in range(2)]
         self.out_turn = 0
 
     # -- the step -------------------------------------------------------------------------------------------
@@ -233,12 +234,12 @@ class DecodeGraphs:
             self.input_ids[:n].copy_(self.out_tokens[:n])
         self.graphs[(bucket, mode)].replay()
         outputs = [self.out_tokens[:n], self.out_logprobs[:n]] + ([self.out_tied[:n]] if mode == TOP_K else [])
-        host = self.out_host[self.out_turn][:len(outputs), :n]
+        host = self.out_host[self.out_turn][:len(outputs) * n].view(len(outputs), n)
         self.out_turn ^= 1
         host.copy_(torch.stack([t.double() for t in outputs]), non_blocking=True)
         done = torch.cuda.Event() if host.is_pinned() else None
         if done is not None:
-            done.record()
+            done.record(torch.cuda.current_stream(self.cache.device))
         return _Launched(bucket, mode, host, done)
 
     def collect(self, launched: _Launched) -> tuple[list[int], list[float]]:
