@@ -101,7 +101,7 @@ class SyncCBDriver:
             plan = scheduler.schedule()
             if not plan:
                 raise RuntimeError("the scheduler could not place any request in the cache")
-            if self.runner.chains(plan):
+            if self.runner.replays(plan):
                 self._run_decode_chain(scheduler, plan, bar)
             else:
                 self._finish_step(scheduler, plan, *self.runner.step(plan), bar)
@@ -116,8 +116,8 @@ class SyncCBDriver:
             following = scheduler.plan_ahead(plan)
             launched_next = self.runner.launch(following, ahead=True) if following else None
             self._finish_step(scheduler, plan, *self.runner.collect(plan, launched), bar)
-            if following is None:
-                return
+            if following is None or launched_next.stale:    # stale: `plan` was redone (a TOP_K tie), so the step
+                return                                        # after it runs again from schedule()
             if any(chunk.request.status is Status.FINISHED for chunk in following):
                 sampled, tokens, logprobs = self.runner.collect(following, launched_next)
                 live = [i for i, chunk in enumerate(following) if chunk.request.status is not Status.FINISHED]

@@ -10,7 +10,7 @@ from .attention import AttnMetadata
 from .cache import PagedKVCache
 from .request import Request
 from .graphs import is_pure_decode
-from .graphs.decode_graphs import TOP_K, DecodeGraphs, sampling_mode
+from .graphs.decode_graphs import DecodeGraphs
 from .sampling import sample_exactly, sampling_batch
 from .scheduler import ScheduledChunk
 
@@ -27,13 +27,8 @@ class ModelRunner:
         self.graphs = graphs
 
     def step(self, plan: list[ScheduledChunk]) -> tuple[list[Request], list[int], list[float]]:
-        """Run the plan; return the requests that sampled, their new tokens and those tokens' logprobs.
-
-        Pure-decode plans replay a captured graph when graphs are on; everything else runs eagerly.
-        """
-        if self.replays(plan):
-            requests = [chunk.request for chunk in plan]
-            return requests, *self.graphs.run(requests)
+        """Run the plan eagerly; return the requests that sampled, their new tokens and those tokens' logprobs.
+        (Plans that `replays` are launched and collected instead.)"""
         inputs, meta, sample_rows, samplers = self.prepare(plan)
         logits = self.model(**inputs, cb_meta=meta, logits_to_keep=sample_rows, use_cache=False).logits[0]
         if not samplers:
@@ -46,18 +41,14 @@ class ModelRunner:
         """Whether this plan replays a captured decode graph (pure decode, within the largest bucket)."""
         return self.graphs is not None and len(plan) <= self.graphs.max_batch and is_pure_decode(plan)
 
-    def chains(self, plan: list[ScheduledChunk]) -> bool:
-        """Whether the steps after this plan may be launched before its tokens are read (a replayed step whose
-        sampler never redoes it: every mode but TOP_K)."""
-        return self.replays(plan) and sampling_mode(chunk.request.params for chunk in plan) != TOP_K
-
     def launch(self, plan: list[ScheduledChunk], ahead: bool = False):
         """Replay a pure-decode plan without waiting for it (ahead: the plan after the one just launched)."""
         return self.graphs.launch([chunk.request for chunk in plan], ahead)
 
     def collect(self, plan: list[ScheduledChunk], launched) -> tuple[list[Request], list[int], list[float]]:
         """Wait for a launched plan: its requests, their new tokens and those tokens' logprobs."""
-        return [chunk.request for chunk in plan], *self.graphs.collect(launched)
+        requests = [chunk.request for chunk in plan]
+        return requests, *self.graphs.collect(launched, requests)
 
     def prepare(self, plan: list[ScheduledChunk]):
         """Flat input_ids/position_ids [1, T], attention metadata, the rows to sample and their requests."""

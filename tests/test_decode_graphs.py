@@ -62,17 +62,17 @@ def test_static_path_sampling_equals_eager_path():
     torch.testing.assert_close(torch.tensor([r.logprobs for r in static]), torch.tensor([r.logprobs for r in eager]))
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sampled):
+@pytest.mark.parametrize("sampler", [{}, {"do_sample": True}, {"do_sample": True, "top_k": 5}])
+def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sampler):
     """Decode steps launched before the previous step's tokens are read: requests that end on a stop token (a
     row already computed past their end), others that wait for a place in the batch, and lengths that end the
-    chain; tokens, logprobs and finish reasons equal to the eager path's."""
+    chain; tokens, logprobs and finish reasons equal to the eager path's (greedy, sampling, TOP_K mode)."""
     model = make_model("llama")
     prompts = random_prompts([5, 12, 30, 7, 19, 3])
     eager = SyncCBDriver(model, CBConfig(max_batch_size=3, block_size=4)).generate(
-        prompts, SamplingParams(max_new_tokens=30, do_sample=sampled, seed=5, logprobs=True))
+        prompts, SamplingParams(max_new_tokens=30, seed=5, logprobs=True, **sampler))
     common = [t for t, _ in Counter(t for r in eager for t in r.token_ids[2:]).most_common(2)]
-    params = [SamplingParams(max_new_tokens=n, do_sample=sampled, seed=5, logprobs=True, stop_token_ids=common)
+    params = [SamplingParams(max_new_tokens=n, seed=5, logprobs=True, stop_token_ids=common, **sampler)
               for n in (30, 9, 30, 4, 30, 17)]
     driver = _driver_with_static_path(model, max_batch_size=3, block_size=4)
     ahead, contiguous = [], []
@@ -107,7 +107,8 @@ def test_sampling_mode():
 
 def test_static_path_top_k_ties_past_the_candidates_sample_the_whole_tie():
     """All logits equal: top-k keeps the whole vocabulary, so the candidates' step is redone over the sorted
-    vocabulary, as the eager path does, and draws reach tokens outside the first CANDIDATES."""
+    vocabulary, as the eager path does, and draws reach tokens outside the first CANDIDATES. The step launched
+    ahead of a redone one read the tie's token: it is marked stale and run again."""
     model = make_model("llama")
     with torch.no_grad():
         model.lm_head.weight.zero_()
@@ -117,9 +118,12 @@ def test_static_path_top_k_ties_past_the_candidates_sample_the_whole_tie():
     modes = []
     original = driver.graphs.step
     driver.graphs.step = lambda bucket, mode: modes.append(mode) or original(bucket, mode)
+    launched, launch = [], driver.graphs.launch
+    driver.graphs.launch = lambda requests, ahead=False: launched.append(launch(requests, ahead)) or launched[-1]
     static = driver.generate(prompts, params)
     eager = SyncCBDriver(model).generate(prompts, params)
     assert TOP_K in modes and FILTERED in modes
+    assert any(step.stale for step in launched)
     assert [r.token_ids for r in static] == [r.token_ids for r in eager]
     assert len({t for r in static for t in r.token_ids}) > CANDIDATES
 

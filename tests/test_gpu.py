@@ -12,6 +12,7 @@ from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.graphs.decode_graphs import FILTERED, GREEDY, TOP_K
 from cb_sync.lora import lora_kernels
 from cb_sync.model_state import generation_mode
+from cb_sync.scheduler import Scheduler
 
 from conftest import make_model, random_prompts
 
@@ -69,25 +70,24 @@ def test_driver_with_graphs_matches_hf_greedy_fp32(arch):
         assert result.token_ids == _hf_greedy_cuda(model, prompt, 24)
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_steps_launched_ahead_equal_steps_run_one_by_one(sampled, monkeypatch):
+@pytest.mark.parametrize("sampler", [{}, {"do_sample": True}, {"do_sample": True, "top_k": 5}])
+def test_steps_launched_ahead_equal_steps_run_one_by_one(sampler, monkeypatch):
     """Decode steps queued before the previous step's tokens are read (the input ids taken on the GPU, host
     buffers in turn) give the tokens and logprobs of steps run one at a time, with requests ending on stop tokens
-    and others waiting for a place in the batch."""
+    and others waiting for a place in the batch; greedy, sampling, and TOP_K mode's candidate sampler."""
     model = _cuda_model()
     prompts = random_prompts([5, 12, 30, 7, 19, 3, 40, 9])
     config = CBConfig(max_batch_size=4, block_size=16)
-    free = SyncCBDriver(model, config).generate(prompts, SamplingParams(max_new_tokens=60, do_sample=sampled, seed=0))
+    free = SyncCBDriver(model, config).generate(prompts, SamplingParams(max_new_tokens=60, seed=0, **sampler))
     stops = [t for t, _ in Counter(t for r in free for t in r.token_ids[2:]).most_common(2)]
-    params = [SamplingParams(max_new_tokens=n, do_sample=sampled, seed=i, logprobs=True, stop_token_ids=stops)
+    params = [SamplingParams(max_new_tokens=n, seed=i, logprobs=True, stop_token_ids=stops, **sampler)
               for i, n in enumerate((60, 9, 60, 4, 60, 17, 33, 60))]
     driver = SyncCBDriver(model, config)
     launches, launch = [], driver.graphs.launch
     driver.graphs.launch = lambda requests, ahead=False: launches.append(ahead) or launch(requests, ahead)
     ahead = driver.generate(prompts, params)
     assert sum(launches) >= 5 and not all(launches)
-    from cb_sync.runner import ModelRunner
-    monkeypatch.setattr(ModelRunner, "chains", lambda self, plan: False)
+    monkeypatch.setattr(Scheduler, "plan_ahead", lambda self, plan: None)
     one_by_one = SyncCBDriver(model, config).generate(prompts, params)
     assert [r.token_ids for r in ahead] == [r.token_ids for r in one_by_one]
     assert any(r.finish_reason == "stop" for r in ahead)

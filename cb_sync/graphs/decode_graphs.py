@@ -73,6 +73,7 @@ class DecodeGraphs:
         self.pool = None
         self.width = 0
         self.fingerprint = None
+        self.latest = None                      # the step launched last
         self.warmup_seconds = 0.0               # uncaptured first runs per bucket: compile, autotune, lazy init
         self.capture_seconds = 0.0
 
@@ -212,16 +213,12 @@ class DecodeGraphs:
         from_ids = model_logits(self.model, {"input_ids": ids}, positions, meta)
         return bool(((from_ids == from_embeddings) | (from_ids.isnan() & from_embeddings.isnan())).all())
 
-    def run(self, requests) -> tuple[list[int], list[float]]:
-        """Fill the static buffers for these decoding requests, replay the bucket's graph, read the tokens."""
-        return self.collect(self.launch(requests))
-
     def launch(self, requests, ahead: bool = False) -> _Launched:
         """Fill the static buffers, replay the bucket's graph and start copying its outputs to the host.
 
         ahead: the requests of the step just launched, each one position further on, fed the tokens that step
         samples (taken on the device, so this step can be queued before that one's tokens are read; its graph
-        was captured for that step, and TOP_K mode, whose ties redo a step, is not launched ahead)."""
+        was captured for that step)."""
         n = len(requests)
         bucket = bucket_for(n, self.buckets)
         mode = sampling_mode(r.params for r in requests)
@@ -240,14 +237,23 @@ class DecodeGraphs:
         done = torch.cuda.Event() if host.is_pinned() else None
         if done is not None:
             done.record(torch.cuda.current_stream(self.cache.device))
-        return _Launched(bucket, mode, host, done)
+        self.latest = _Launched(bucket, mode, host, done)
+        return self.latest
 
-    def collect(self, launched: _Launched) -> tuple[list[int], list[float]]:
-        """Wait for a launched step and read its tokens and logprobs (redoing a TOP_K step whose top-k tie ran
-        past the candidates, rare, uncaptured over the sorted vocabulary)."""
+    def collect(self, launched: _Launched, requests) -> tuple[list[int], list[float]]:
+        """Wait for a launched step of these requests and read its tokens and logprobs.
+
+        A TOP_K step whose top-k tie ran past the candidates (rare) is redone uncaptured over the sorted
+        vocabulary. If a step was launched after it, that step read the tie's token and holds the static inputs:
+        it is waited for and marked stale (its outputs are not to be used), and the inputs are written again."""
         tokens, logprobs, tied = launched.read()
         if any(tied):
             n = len(tokens)
+            if self.latest is not launched:
+                self.latest.read()
+                self.latest.stale = True
+                self._fill_host(requests, launched.bucket, launched.mode, 0)
+                self.step_inputs.upload()
             self.step(launched.bucket, FILTERED)
             host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double()]).tolist()
             tokens, logprobs = [int(t) for t in host[0]], host[1]
@@ -279,6 +285,7 @@ class _Launched:
 
     def __init__(self, bucket: int, mode: int, host: torch.Tensor, done):
         self.bucket, self.mode, self.host, self.done = bucket, mode, host, done
+        self.stale = False     # the step before it was redone after it had read that step's tokens
 
     def read(self) -> tuple[list[int], list[float], list[bool]]:
         if self.done is not None:
