@@ -94,6 +94,31 @@ def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sa
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
+@pytest.mark.parametrize("trial", range(12))
+def test_steps_launched_ahead_match_the_eager_path_on_random_workloads(trial):
+    """Random workloads through steps launched ahead: repeated prompts (shared prefix blocks), stop and EOS tokens,
+    mixed samplers, a small cache that forces preemption, more requests than the batch holds."""
+    gen = torch.Generator().manual_seed(trial)
+    randint = lambda low, high: int(torch.randint(low, high, (1,), generator=gen))
+    model = make_model(["llama", "qwen3"][trial % 2])
+    distinct = random_prompts([randint(3, 30) for _ in range(4)], seed=trial)
+    prompts = [distinct[randint(0, 4)] for _ in range(randint(5, 9))]
+    samplers = [{}, {"do_sample": True}, {"do_sample": True, "top_k": 5}, {"do_sample": True, "top_p": 0.9}]
+    params = [SamplingParams(max_new_tokens=randint(1, 25), seed=i, logprobs=True, eos_token_id=randint(0, 128),
+                             stop_token_ids=[randint(0, 128)], **samplers[randint(0, 4)]) for i in range(len(prompts))]
+    config = dict(max_batch_size=randint(2, 5), block_size=4, max_batch_tokens=randint(8, 64), num_blocks=16)
+    driver = _driver_with_static_path(model, **config)
+    ahead, launch = [], driver.graphs.launch
+    driver.graphs.launch = lambda requests, chained=False: ahead.append(chained) or launch(requests, chained)
+    static = driver.generate(prompts, params)
+    reference = SyncCBDriver(model, CBConfig(**config)).generate(prompts, params)
+    assert any(ahead)
+    assert [r.token_ids for r in static] == [r.token_ids for r in reference]
+    assert [r.finish_reason for r in static] == [r.finish_reason for r in reference]
+    for a, b in zip(static, reference):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+
+
 def test_sampling_mode():
     assert sampling_mode([SamplingParams()]) == GREEDY
     assert sampling_mode([SamplingParams(), SamplingParams(do_sample=True)]) == SAMPLE
