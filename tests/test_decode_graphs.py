@@ -22,6 +22,17 @@ def _driver_with_static_path(model, **config):
     return driver
 
 
+def _record_launches(graphs) -> list:
+    """(rows, ahead, the launched step) of every step the graphs launch from now on."""
+    launches, launch = [], graphs.launch
+
+    def recorded(requests, ahead=False):
+        launches.append((len(requests), ahead, launch(requests, ahead)))
+        return launches[-1][2]
+    graphs.launch = recorded
+    return launches
+
+
 def _compiled_static_path(model, max_batch_size=4):
     driver = SyncCBDriver(model, CBConfig(max_batch_size=max_batch_size, block_size=8, attn_backend="triton"))
     driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, max_batch_size, compile_model=True)
@@ -41,12 +52,9 @@ def test_static_decode_path_matches_hf_greedy():
     model = make_model("qwen3", lora=True)
     prompts = random_prompts([3, 20, 41, 9, 17])
     driver = _driver_with_static_path(model, max_batch_size=8, block_size=8)
-    replays = []
-    original = driver.graphs.launch
-    driver.graphs.launch = lambda requests, ahead=False: replays.append((len(requests), ahead)) or original(
-        requests, ahead)
+    launches = _record_launches(driver.graphs)
     results = driver.generate(prompts, [SamplingParams(max_new_tokens=n) for n in (12, 7, 10, 3, 9)])
-    assert max(replays) == (5, True)
+    assert max((rows, ahead) for rows, ahead, _ in launches) == (5, True)
     for prompt, n, result in zip(prompts, (12, 7, 10, 3, 9), results):
         assert result.token_ids == hf_greedy(model, prompt, n)
 
@@ -75,18 +83,12 @@ def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sa
     params = [SamplingParams(max_new_tokens=n, seed=5, logprobs=True, stop_token_ids=common, **sampler)
               for n in (30, 9, 30, 4, 30, 17)]
     driver = _driver_with_static_path(model, max_batch_size=3, block_size=4)
-    ahead, contiguous = [], []
-    original = driver.graphs.launch
-
-    def launch(requests, chained=False):
-        launched = original(requests, chained)
-        ahead.append(chained)
-        contiguous.append(launched.host.is_contiguous())   # a copy into a strided host view would be synchronous
-        return launched
-    driver.graphs.launch = launch
+    launches = _record_launches(driver.graphs)
     static = driver.generate(prompts, params)
     reference = SyncCBDriver(model, CBConfig(max_batch_size=3, block_size=4)).generate(prompts, params)
-    assert sum(ahead) >= 5 and not all(ahead) and all(contiguous)
+    ahead = [ahead for _, ahead, _ in launches]
+    assert sum(ahead) >= 5 and not all(ahead)
+    assert all(step.host.is_contiguous() for *_, step in launches)   # a copy into a strided view would be synchronous
     assert any(r.finish_reason == "stop" and len(r.token_ids) < p.max_new_tokens for r, p in zip(static, params))
     assert [r.token_ids for r in static] == [r.token_ids for r in reference]
     assert [r.finish_reason for r in static] == [r.finish_reason for r in reference]
@@ -108,11 +110,10 @@ def test_steps_launched_ahead_match_the_eager_path_on_random_workloads(trial):
                              stop_token_ids=[randint(0, 128)], **samplers[randint(0, 4)]) for i in range(len(prompts))]
     config = dict(max_batch_size=randint(2, 5), block_size=4, max_batch_tokens=randint(8, 64), num_blocks=16)
     driver = _driver_with_static_path(model, **config)
-    ahead, launch = [], driver.graphs.launch
-    driver.graphs.launch = lambda requests, chained=False: ahead.append(chained) or launch(requests, chained)
+    launches = _record_launches(driver.graphs)
     static = driver.generate(prompts, params)
     reference = SyncCBDriver(model, CBConfig(**config)).generate(prompts, params)
-    assert any(ahead)
+    assert any(ahead for _, ahead, _ in launches)
     assert [r.token_ids for r in static] == [r.token_ids for r in reference]
     assert [r.finish_reason for r in static] == [r.finish_reason for r in reference]
     for a, b in zip(static, reference):
@@ -143,12 +144,11 @@ def test_static_path_top_k_ties_past_the_candidates_sample_the_whole_tie():
     modes = []
     original = driver.graphs.step
     driver.graphs.step = lambda bucket, mode: modes.append(mode) or original(bucket, mode)
-    launched, launch = [], driver.graphs.launch
-    driver.graphs.launch = lambda requests, ahead=False: launched.append(launch(requests, ahead)) or launched[-1]
+    launches = _record_launches(driver.graphs)
     static = driver.generate(prompts, params)
     eager = SyncCBDriver(model).generate(prompts, params)
     assert TOP_K in modes and FILTERED in modes
-    assert any(step.stale for step in launched)
+    assert any(step.stale for *_, step in launches)
     assert [r.token_ids for r in static] == [r.token_ids for r in eager]
     assert len({t for r in static for t in r.token_ids}) > CANDIDATES
 

@@ -230,12 +230,13 @@ class DecodeGraphs:
         if ahead:
             self.input_ids[:n].copy_(self.out_tokens[:n])
         self.graphs[(bucket, mode)].replay()
-        outputs = [self.out_tokens[:n], self.out_logprobs[:n]] + ([self.out_tied[:n]] if mode == TOP_K else [])
-        host = self.out_host[self.out_turn][:len(outputs) * n].view(len(outputs), n)
+        outputs = self._outputs(n, mode)
+        host = self.out_host[self.out_turn][:outputs.numel()].view(outputs.shape)
         self.out_turn ^= 1
-        host.copy_(torch.stack([t.double() for t in outputs]), non_blocking=True)
-        done = torch.cuda.Event() if host.is_pinned() else None
-        if done is not None:
+        host.copy_(outputs, non_blocking=True)
+        done = None
+        if self.cache.device.type == "cuda":        # pinned host buffers: the copy is asynchronous
+            done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.cache.device))
         self.latest = _Launched(bucket, mode, host, done)
         return self.latest
@@ -255,9 +256,13 @@ class DecodeGraphs:
                 self._fill_host(requests, launched.bucket, launched.mode, 0)
                 self.step_inputs.upload()
             self.step(launched.bucket, FILTERED)
-            host = torch.stack([self.out_tokens[:n].double(), self.out_logprobs[:n].double()]).tolist()
-            tokens, logprobs = [int(t) for t in host[0]], host[1]
+            tokens, logprobs, _ = _Launched(launched.bucket, FILTERED, self._outputs(n, FILTERED), None).read()
         return tokens, logprobs
+
+    def _outputs(self, n: int, mode: int) -> torch.Tensor:
+        """The last step's outputs as float64 rows [fields, n]: tokens, logprobs and (TOP_K mode) tied flags."""
+        outputs = [self.out_tokens[:n], self.out_logprobs[:n]] + ([self.out_tied[:n]] if mode == TOP_K else [])
+        return torch.stack([t.double() for t in outputs])
 
     def _fill_host(self, requests, bucket: int, mode: int, ahead: int) -> None:
         host, block_size, n = self.step_inputs.host, self.cache.block_size, len(requests)
@@ -281,7 +286,7 @@ class DecodeGraphs:
 
 
 class _Launched:
-    """A replayed step whose outputs are on their way to the host (rows: tokens, logprobs, TOP_K's tied flags)."""
+    """A replayed step whose outputs (`DecodeGraphs._outputs`) are on their way to the host, or already there."""
 
     def __init__(self, bucket: int, mode: int, host: torch.Tensor, done):
         self.bucket, self.mode, self.host, self.done = bucket, mode, host, done
