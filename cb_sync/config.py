@@ -19,9 +19,11 @@ class CBConfig:
     attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton".
     cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton backend; the sdpa_paged
         reference syncs with the host and always runs eagerly).
-    compile: torch.compile the decode step before capture (CUDA only).
+    compile: torch.compile the decode step before capture (CUDA only); prefill and mixed steps run the same
+        compiled function, uncaptured.
     lora_kernels: with the Triton backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode
-        steps and long prefill steps (same parameters, PEFT's function); False keeps PEFT's own forward.
+        steps, compiled steps and long eager prefill steps (same parameters, PEFT's function); False keeps PEFT's
+        own forward.
     max_cache_gib: cap on KV memory when num_blocks is None.
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
     progress_bar: None = only when stderr is a terminal.

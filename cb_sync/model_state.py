@@ -32,14 +32,17 @@ def generation_mode(model: torch.nn.Module):
     """Run the model with paged attention, in eval and inference mode; restore every module's training flag
     and the attention implementation afterwards, also when the body raises."""
     base = base_model(model)
-    flags = [(module, module.training) for module in model.modules()]
+    training = [module for module in model.modules() if module.training]
     previous = base.config._attn_implementation
-    base.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if previous != ATTN_IMPLEMENTATION:
+        base.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
-        model.eval()
+        if training:
+            model.eval()
         with torch.inference_mode():
             yield
     finally:
-        base.set_attn_implementation(previous)
-        for module, training in flags:
-            module.training = training
+        if previous != ATTN_IMPLEMENTATION:
+            base.set_attn_implementation(previous)
+        for module in training:
+            module.training = True

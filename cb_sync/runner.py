@@ -10,7 +10,7 @@ from .attention import AttnMetadata
 from .cache import PagedKVCache
 from .request import Request
 from .graphs import is_pure_decode
-from .graphs.decode_graphs import DecodeGraphs
+from .graphs.decode_graphs import GREEDY, DecodeGraphs, sampling_mode
 from .sampling import sample_exactly, sampling_batch
 from .scheduler import ScheduledChunk
 
@@ -27,13 +27,21 @@ class ModelRunner:
         self.graphs = graphs
 
     def step(self, plan: list[ScheduledChunk]) -> tuple[list[Request], list[int], list[float]]:
-        """Run the plan eagerly; return the requests that sampled, their new tokens and those tokens' logprobs.
-        (Plans that `replays` are launched and collected instead.)"""
-        inputs, meta, sample_rows, samplers = self.prepare(plan)
-        logits = self.model(**inputs, cb_meta=meta, logits_to_keep=sample_rows, use_cache=False).logits[0]
+        """Run the plan uncaptured (through the compiled decode step where the graphs compile it); return the
+        requests that sampled, their new tokens and those tokens' logprobs. (Plans that `replays` are launched and
+        collected instead.)"""
+        num_tokens = sum(chunk.length for chunk in plan)
+        compiled = self.graphs is not None and self.graphs.runs_steps(num_tokens)
+        inputs, meta, keep, samplers = self.prepare(plan, self.graphs.width if compiled else None)
+        logits = None
+        if compiled:
+            mode = sampling_mode(r.params for r in samplers) if samplers else GREEDY
+            logits = self.graphs.logits(inputs["input_ids"], inputs["position_ids"], meta, keep, mode)
+        if logits is None:     # not compiled (or the compile failed: the padded batch runs as it is)
+            logits = self.model(**inputs, cb_meta=meta, logits_to_keep=keep, use_cache=False).logits[0]
         if not samplers:
             return [], [], []
-        tokens, logprobs = sample_exactly(logits, sampling_batch(samplers, self.device))
+        tokens, logprobs = sample_exactly(logits[:len(samplers)], sampling_batch(samplers, self.device))
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()
         return samplers, [int(t) for t in host[0]], host[1]
 
@@ -50,11 +58,15 @@ class ModelRunner:
         requests = [chunk.request for chunk in plan]
         return requests, *self.graphs.collect(launched, requests)
 
-    def prepare(self, plan: list[ScheduledChunk]):
-        """Flat input_ids/position_ids [1, T], attention metadata, the rows to sample and their requests."""
+    def prepare(self, plan: list[ScheduledChunk], table_width: int | None = None):
+        """Flat input_ids/position_ids [1, T], attention metadata, the rows to keep logits of and the requests that
+        sample from them.
+
+        table_width: the compiled step's shape rules: block tables that wide, at least two requests (a padded one:
+        one query, nothing cached, nothing stored) and two rows kept (the last one repeated)."""
         block_size = self.cache.block_size
         ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
-        sample_rows, samplers = [], []
+        keep, samplers = [], []
         for chunk in plan:
             request, stop = chunk.request, chunk.start + chunk.length
             ids += request.token_slice(chunk.start, stop)
@@ -64,18 +76,35 @@ class ModelRunner:
             seq_lens.append(stop)
             starts.append(starts[-1] + chunk.length)
             if chunk.samples:
-                sample_rows.append(starts[-1] - 1)
+                keep.append(starts[-1] - 1)
                 samplers.append(request)
-        width = max(len(chunk.request.blocks) for chunk in plan)
-        tables = [chunk.request.blocks + [0] * (width - len(chunk.request.blocks)) for chunk in plan]
+        tables = [chunk.request.blocks for chunk in plan]
+        if table_width is not None:
+            if len(plan) < 2:
+                ids, positions, slots = ids + [0], positions + [0], slots + [-1]
+                seq_lens, starts, tables = seq_lens + [0], starts + [starts[-1] + 1], tables + [[]]
+            keep += (keep[-1:] or [0]) * (2 - len(keep))
+        width = table_width or max(len(blocks) for blocks in tables)
         device = self.device
-        meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-            block_tables=torch.tensor(tables, dtype=torch.int32).to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
-            max_query_len=max(chunk.length for chunk in plan), max_seq_len=max(seq_lens),
-            k_caches=self.cache.k_caches, v_caches=self.cache.v_caches, backend=self.backend)
-        inputs = {"input_ids": torch.tensor([ids]).to(device, non_blocking=True),
-                  "position_ids": torch.tensor([positions]).to(device, non_blocking=True)}
-        return inputs, meta, torch.tensor(sample_rows, dtype=torch.int64).to(device), samplers
+        ids, positions, slots = _packed([ids, positions, slots], torch.int64, device)
+        starts, seq_lens, tables = _packed([starts, seq_lens, [b for blocks in tables
+                                                               for b in blocks + [0] * (width - len(blocks))]],
+                                           torch.int32, device)
+        meta = AttnMetadata(slot_mapping=slots, block_tables=tables.view(-1, width), seq_lens=seq_lens,
+                            query_start_loc=starts, max_query_len=max(chunk.length for chunk in plan),
+                            max_seq_len=max(chunk.start + chunk.length for chunk in plan),
+                            k_caches=self.cache.k_caches, v_caches=self.cache.v_caches, backend=self.backend)
+        inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0)}
+        return inputs, meta, torch.tensor(keep, dtype=torch.int64).to(device), samplers
+
+
+def _packed(columns: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The columns as views of one tensor sent with one copy, each starting at a 16-byte boundary, as the decode
+    step's static inputs do (so that a compiled step sees storage offsets of the same kind in both)."""
+    align = 16 // dtype.itemsize
+    flat, offsets = [], []
+    for column in columns:
+        offsets.append(len(flat))
+        flat += column + [0] * (-len(column) % align)
+    flat = torch.tensor(flat, dtype=dtype).to(device, non_blocking=True)
+    return [flat[offset:offset + len(column)] for column, offset in zip(columns, offsets)]

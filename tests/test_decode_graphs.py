@@ -33,8 +33,9 @@ def _record_launches(graphs) -> list:
     return launches
 
 
-def _compiled_static_path(model, max_batch_size=4):
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=max_batch_size, block_size=8, attn_backend="triton"))
+def _compiled_static_path(model, max_batch_size=4, **config):
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=max_batch_size, block_size=8, attn_backend="triton",
+                                          **config))
     driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, max_batch_size, compile_model=True)
     driver.runner.graphs = driver.graphs
     return driver
@@ -202,17 +203,24 @@ def test_adapter_switch_changes_fingerprint():
     assert model_fingerprint(model) == before
 
 
-def test_compiled_decode_step_compiles_once_for_all_buckets_and_drivers():
+def test_compiled_decode_step_compiles_once_for_all_buckets_drivers_and_prefill_steps():
+    """One compile serves every bucket, a second driver with a larger KV cache (same table width), and the steps
+    that are not pure decode: prefill of several requests, one request's chunks that sample nothing, and its
+    last chunk, which samples one row."""
     pytest.importorskip("triton")
     from torch._dynamo.utils import counters
     model = make_model("qwen3", lora=True)
     before = counters["stats"]["unique_graphs"]
-    # a second driver on the same model, with a larger KV cache (same table width), reuses the compile
-    for prompts in (random_prompts([3, 20, 41]), random_prompts([40, 45, 50], seed=3)):
-        driver = _compiled_static_path(model, max_batch_size=8)
+    for prompts, max_batch_tokens in ((random_prompts([3, 20, 41]), 2048), (random_prompts([40, 45, 50], seed=3), 2048),
+                                      (random_prompts([37], seed=4), 16)):
+        driver = _compiled_static_path(model, max_batch_size=8, max_batch_tokens=max_batch_tokens)
+        compiled_steps, logits = [], driver.graphs.logits
+        driver.graphs.logits = lambda *args: compiled_steps.append(logits(*args)) or compiled_steps[-1]
         results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
         assert driver.graphs.buckets == [2, 4, 8]
         assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
+        assert len(compiled_steps) == (3 if max_batch_tokens == 16 else 1)
+        assert all(step is not None for step in compiled_steps)
     assert counters["stats"]["unique_graphs"] - before == 1
 
 

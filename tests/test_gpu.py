@@ -171,3 +171,24 @@ def test_compiled_step_with_a_hooked_embedding_layer():
     assert driver.graphs.graphs and driver.graphs.compiled and driver.graphs.from_embeddings
     model.eval()
     assert [r.token_ids for r in results] == [_hf_greedy_cuda(model, p, 8) for p in prompts]
+
+
+def test_compiled_prefill_and_mixed_steps_share_the_decode_compile():
+    """Chunked prefill, mixed prefill + decode steps and a waiting queue run through the compiled decode step:
+    one compile for all of them, and greedy tokens as HF's (fp32)."""
+    from torch._dynamo.utils import counters
+    model = _cuda_model()
+    prompts = random_prompts([5, 9, 14, 30, 77, 3])
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=4, max_batch_tokens=32, compile=True))
+    compiled_steps, logits = [], driver.graphs.logits
+    driver.graphs.logits = lambda *args: compiled_steps.append(logits(*args)) or compiled_steps[-1]
+    steps, step = [], driver.runner.step
+    driver.runner.step = lambda plan: steps.append([chunk.length for chunk in plan]) or step(plan)
+    before = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # a compile that fell back would warn
+        results = driver.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert any(1 in lengths and max(lengths) > 1 for lengths in steps)      # a step mixing decode and prefill
+    assert len(compiled_steps) == len(steps) >= 5 and all(step is not None for step in compiled_steps)
+    assert [r.token_ids for r in results] == [_hf_greedy_cuda(model, p, 8) for p in prompts]

@@ -40,13 +40,19 @@ def make_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, block
     return dict(query=query, k_cache=torch.randn(cache_shape, dtype=dtype, device=device),
                 v_cache=torch.randn(cache_shape, dtype=dtype, device=device),
                 block_tables=block_tables.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                query_start_loc=query_start_loc.to(device), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-                scale=head_dim ** -0.5)
+                query_start_loc=query_start_loc.to(device), scale=head_dim ** -0.5)
+
+
+def reference(batch, **kwargs):
+    """sdpa_paged on the batch, given the host-side bounds it needs (the Triton kernels read none)."""
+    q_lens = batch["query_start_loc"].diff()
+    return sdpa_paged.paged_attention(**batch, max_query_len=int(q_lens.max()),
+                                      max_seq_len=int(batch["seq_lens"].max()), **kwargs)
 
 
 def check(batch, atol=1e-4, **kwargs):
     out = triton_kernels.paged_attention(**batch, **kwargs)
-    ref = sdpa_paged.paged_attention(**batch, **kwargs)
+    ref = reference(batch, **kwargs)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
@@ -101,6 +107,17 @@ def test_prefill_chunked(heads, head_dim):
     assert (out[21] == 0).all()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_tiles_of_many_requests_of_mixed_lengths(seed):
+    """The prefill grid numbers query tiles across requests (no host-side bound): lengths around multiples of the
+    tile, single-token chunks and cached context, in 37 requests (a six-step search for each tile's request)."""
+    torch.manual_seed(20 + seed)
+    q_lens = torch.randint(1, 40, (37,))
+    q_lens[:6] = torch.tensor([16, 15, 17, 1, 32, 33])
+    cached = torch.randint(0, 30, (37,)) * (torch.rand(37) < 0.5)
+    check(make_batch(q_lens.tolist(), (q_lens + cached).tolist(), 8, 2, head_dim=16, block_size=8))
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_prefill_block_sizes(block_size):
     torch.manual_seed(4)
@@ -138,11 +155,11 @@ def test_store_then_attend_matches_reference(small_partitions):
         key, value = (torch.randn(q_len, num_kv_heads, head_dim, device=DEVICE) for _ in range(2))
         query = torch.randn(q_len, num_heads, head_dim, device=DEVICE)
         meta = (block_table, torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
-                torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), q_len, seq_len, head_dim ** -0.5)
+                torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE))
         triton_kernels.store_kv(key, value, *caches, slots)
         sdpa_paged.store_kv(key, value, *ref_caches, slots)
-        out = triton_kernels.paged_attention(query, *caches, *meta)
-        ref = sdpa_paged.paged_attention(query, *ref_caches, *meta)
+        out = triton_kernels.paged_attention(query, *caches, *meta, head_dim ** -0.5)
+        ref = sdpa_paged.paged_attention(query, *ref_caches, *meta, q_len, seq_len, head_dim ** -0.5)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -181,8 +198,8 @@ def rel_error(out, ref):
 
 
 def reference_fp32(batch, **kwargs):
-    return sdpa_paged.paged_attention(**{k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                                         for k, v in batch.items()}, **kwargs)
+    return reference({k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                      for k, v in batch.items()}, **kwargs)
 
 
 @gpu

@@ -33,9 +33,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     backend = cb_meta.backend
     backend.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, cb_meta.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = backend.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, cb_meta.block_tables,
-                                  cb_meta.seq_lens, cb_meta.query_start_loc, cb_meta.max_query_len,
-                                  cb_meta.max_seq_len, scale, sliding_window, softcap)
+    out = backend.attend(query[0].transpose(0, 1), k_cache, v_cache, cb_meta, scale, sliding_window, softcap)
     return out.unsqueeze(0), None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .metadata import AttnMetadata
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -58,3 +60,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.matmul(probs, values).transpose(1, 2)                  # [R, Q, Hq, D]
     out = out[token_req, token_row]
     return out.masked_fill((seq_lens[token_req] == 0)[:, None, None], 0.0)
+
+
+def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float,
+           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The backend entry point: paged attention over meta's batch."""
+    return paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                           meta.max_query_len, meta.max_seq_len, scale, sliding_window, softcap)

@@ -1,9 +1,9 @@
 """Triton paged attention: KV-cache store, split-K decode and varlen prefill over a paged KV cache.
 
-Same contract as `sdpa_paged`. The query heads that share a KV head are packed into the rows of one
-program (row = query * BLOCK_G + head in group), so each K/V tile is loaded once per KV head. The decode
-launch grids depend only on tensor shapes, never on values, so a decode step can be captured in a CUDA
-graph and replayed with new seq_lens / block_tables. No function here synchronises with the host.
+Same contract as `sdpa_paged`, without its host-side bounds. The query heads that share a KV head are packed
+into the rows of one program (row = query * BLOCK_G + head in group), so each K/V tile is loaded once per KV
+head. Every launch grid depends only on tensor shapes, never on values, so a decode step can be captured in a
+CUDA graph and replayed with new seq_lens / block_tables. No function here synchronises with the host.
 """
 
 import functools
@@ -156,19 +156,30 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, seq_lens_ptr, query_st
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                     stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
-                    scale, softcap, window, group, block_size, head_dim,
+                    num_reqs, scale, softcap, window, group, block_size, head_dim,
                     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (query block, request, kv head): BLOCK_M // BLOCK_G queries x the heads of the group, over the
-    request's cached context up to the block's last query (earlier prefill chunks included)."""
+    """Program (query tile, kv head): BLOCK_M // BLOCK_G queries of one request x the heads of the group, over
+    the request's cached context up to the tile's last query (earlier prefill chunks included).
+
+    Request r owns the tiles from query_start_loc[r] // BLOCK_Q + r on, one per BLOCK_Q of its queries (the
+    last one partial), so the grid depends only on the token and request counts; a tile past its request's
+    queries exits at once."""
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
-    q_block = tl.program_id(0)
-    req = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    lo = tile * 0             # binary search: the last request whose first tile is at or before this one
+    hi = lo + num_reqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        owns = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid)
+    req = lo
     seq_len = tl.load(seq_lens_ptr + req)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q0 = q_block * BLOCK_Q
+    q0 = (tile - q_start // BLOCK_Q - req) * BLOCK_Q
     if q0 >= q_len:
         return
 
@@ -217,17 +228,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, scale: float,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
 
-    max_query_len == 1 takes the split-K decode path, whose grid depends only on shapes (max_seq_len is not
-    used), so it can be captured in a CUDA graph. Otherwise the varlen prefill path runs.
-    Rows of padded requests (seq_len 0) come back as zeros.
+    Every request brings at least one query (a padded row: one query, seq_len 0). One query per request
+    (T == R) takes the split-K decode path, otherwise the varlen prefill path runs. Both launch grids depend only
+    on shapes, never on values: a decode step can be captured in a CUDA graph, and a compiled step that runs
+    this op has no host-side bound to guard on. Rows of padded requests (seq_len 0) come back as zeros.
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
     out = query.new_empty(query.shape)
     if num_tokens == 0:
@@ -239,14 +250,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                   HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window),
                   PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     args = (query, k_cache, v_cache)
-    if max_query_len <= 1:
+    if num_tokens == num_reqs:
         _decode(out, *args, block_tables, seq_lens, query_start_loc, common)
     else:
         block_m = max(PREFILL_BLOCK_M, common["BLOCK_G"])
-        grid = (triton.cdiv(max_query_len, block_m // common["BLOCK_G"]), seq_lens.shape[0], num_kv_heads)
+        grid = (num_tokens // (block_m // common["BLOCK_G"]) + num_reqs, num_kv_heads)
         _prefill_kernel[grid](*args, out, block_tables, seq_lens, query_start_loc, *query.stride(), *out.stride(),
-                              *k_cache.stride(), block_tables.stride(0), BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
-                              num_warps=4, **common)
+                              *k_cache.stride(), block_tables.stride(0), num_reqs, BLOCK_M=block_m,
+                              BLOCK_N=PREFILL_BLOCK_N, num_warps=4, **common)
     return out
 
 

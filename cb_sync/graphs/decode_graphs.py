@@ -1,5 +1,6 @@
 """Captured pure-decode steps: static buffers at the largest bucket, one graph per (bucket, sampling mode),
-all in one memory pool, re-captured whenever what they recorded (weights, adapters, cache, widths) changes."""
+all in one memory pool, re-captured whenever what they recorded (weights, adapters, cache, widths) changes.
+Compiled, the decode step's function also runs the other steps (prefill chunks, mixed batches), uncaptured."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import warnings
 
 import torch
 from torch._dynamo.exc import TorchDynamoException
+from torch.fx.experimental import _config as shape_config
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from ..attention import AttnMetadata
+from ..lora.fast_forward import KERNEL_MAX_ELEMENTS
 from ..model_state import base_model
 from ..sampling import SamplingBatch, sample, sampling_columns, uses_candidates
 from .buckets import bucket_for, decode_buckets
@@ -33,17 +36,19 @@ def sampling_mode(batch_params) -> int:
 
 def model_fingerprint(model: torch.nn.Module) -> tuple:
     """Everything a captured graph bakes in about the model: parameter storages and dtypes, adapter state."""
-    params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
-    adapters = tuple((name, repr(getattr(m, "active_adapters", None)), repr(getattr(m, "merged_adapters", None)),
-                      getattr(m, "disable_adapters", None))
-                     for name, m in model.named_modules() if hasattr(m, "merged_adapters"))
-    return params, adapters
+    params, adapters = [], []
+    for name, m in model.named_modules():     # one walk over the modules (it is most of the cost)
+        params += [(p.data_ptr(), p.dtype) for p in m.parameters(recurse=False)]
+        if hasattr(type(m), "merged_adapters"):     # PEFT's tuner layers (a class attribute: no __getattr__ miss)
+            adapters.append((name, repr(getattr(m, "active_adapters", None)), repr(m.merged_adapters),
+                             getattr(m, "disable_adapters", None)))
+    return tuple(params), tuple(adapters)
 
 
-def model_logits(model, inputs: dict, positions, meta):
-    """Logits of every row from `input_ids` or (compiled) `inputs_embeds`: the part of the decode step that
+def model_logits(model, inputs: dict, positions, meta, keep: torch.Tensor):
+    """Logits of the rows `keep` from `input_ids` or (compiled) `inputs_embeds`: the part of a step that
     torch.compile may take."""
-    return model(**inputs, position_ids=positions, cb_meta=meta, use_cache=False).logits[0]
+    return model(**inputs, position_ids=positions, cb_meta=meta, logits_to_keep=keep, use_cache=False).logits[0]
 
 
 COMPILE_OPTIONS = {"combo_kernels": True}   # independent elementwise kernels (the q and k norms and rotary
@@ -76,6 +81,11 @@ class DecodeGraphs:
         self.latest = None                      # the step launched last
         self.warmup_seconds = 0.0               # uncaptured first runs per bucket: compile, autotune, lazy init
         self.capture_seconds = 0.0
+        output = base_model(model).get_output_embeddings()
+        widest = max((max(m.in_features, m.out_features) for m in model.modules()
+                      if isinstance(m, torch.nn.Linear) and m is not output), default=1)
+        self.max_compiled_tokens = KERNEL_MAX_ELEMENTS // widest   # the LoRA kernel's int32 offsets, which the
+        # compiled step does not check (eager, larger steps go to PEFT's forward)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -106,6 +116,7 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slots = fields["input_ids"], fields["positions"], fields["slots"]
         self.tables, self.seq_lens = fields["tables"], fields["seq_lens"]
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, device=device)
         self.sampling = SamplingBatch(
             do_sample=fields["do_sample"], temperature=fields["temperature"], top_k=fields["top_k"],
             top_p=fields["top_p"], min_p=fields["min_p"], seeds=fields["seeds"], positions=fields["sample_positions"],
@@ -123,18 +134,7 @@ class DecodeGraphs:
     def step(self, bucket: int, mode: int) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
         ids, positions, meta = self._inputs(bucket)
-        inputs = {"input_ids": ids}
-        if self.compiled:
-            if self.from_embeddings:
-                inputs = {"inputs_embeds": self._embed(ids)}
-            # one compile serves every bucket and every cache size
-            rows = (*inputs.values(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                    meta.query_start_loc)
-            for t, batch_dim in zip(rows, (1, 1, 0, 0, 0, 0)):
-                torch._dynamo.mark_dynamic(t, batch_dim)
-            for cache in (*self.cache.k_caches, *self.cache.v_caches):
-                torch._dynamo.mark_dynamic(cache, 0)
-        logits = self.forward(self.model, inputs, positions, meta)
+        logits = self._logits(ids, positions, meta, self.rows[:bucket])
         s = self.sampling
         params = SamplingBatch(s.do_sample[:bucket], s.temperature[:bucket], s.top_k[:bucket], s.top_p[:bucket],
                                s.min_p[:bucket], s.seeds[:bucket], s.positions[:bucket],
@@ -145,6 +145,42 @@ class DecodeGraphs:
         self.out_logprobs[:bucket].copy_(logprobs)
         if mode == TOP_K:
             self.out_tied[:bucket].copy_(tied)
+
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                keep: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows `keep`. Compiled, every count (tokens, requests, rows kept, cache blocks) is a
+        dynamic dimension, each its own symbol, so that one compile serves every bucket, every cache size and the
+        steps that are not pure decode."""
+        inputs = {"input_ids": ids}
+        if not self.compiled:
+            return self.forward(self.model, inputs, positions, meta, keep)
+        if self.from_embeddings:
+            inputs = {"inputs_embeds": self._embed(ids)}
+        counted = (*inputs.values(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                   meta.query_start_loc, keep)
+        for t, dim in zip(counted, (1, 1, 0, 0, 0, 0, 0)):
+            torch._dynamo.mark_dynamic(t, dim)
+        for cache in (*self.cache.k_caches, *self.cache.v_caches):
+            torch._dynamo.mark_dynamic(cache, 0)
+        # a decode step's counts are equal (tokens = requests = rows kept): duck shaping would make them one symbol
+        with shape_config.patch(use_duck_shape=False):
+            return self.forward(self.model, inputs, positions, meta, keep)
+
+    def runs_steps(self, num_tokens: int) -> bool:
+        """Whether steps that are not pure decode, of this many tokens, run through the compiled decode step."""
+        return self.compiled and num_tokens <= self.max_compiled_tokens
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, keep: torch.Tensor,
+               mode: int) -> torch.Tensor | None:
+        """Logits of the rows `keep` of a step that is not pure decode, through the compiled decode step (compiled
+        and captured first for this sampling mode, if not yet: compile time stays out of the steps' time).
+        The batch has at least two requests and two rows kept (a compiled count of one would be specialised).
+        None if the compile failed: the caller runs the step eagerly."""
+        if (self.max_batch, mode) not in self.graphs:
+            self._capture_all(mode)
+        if not self.compiled:
+            return None
+        return self._logits(ids, positions, meta, keep)
 
     def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
         """Token ids [1, bucket], positions [1, bucket] and attention metadata: views of the static buffers."""
@@ -207,10 +243,11 @@ class DecodeGraphs:
         for models with per-layer token inputs, such as Gemma-3n), checked uncompiled on the static buffers."""
         ids, positions, meta = self._inputs(bucket)
         try:
-            from_embeddings = model_logits(self.model, {"inputs_embeds": self._embed(ids)}, positions, meta)
+            from_embeddings = model_logits(self.model, {"inputs_embeds": self._embed(ids)}, positions, meta,
+                                           self.rows[:bucket])
         except (RuntimeError, ValueError):      # a forward that refuses embeddings alone
             return False
-        from_ids = model_logits(self.model, {"input_ids": ids}, positions, meta)
+        from_ids = model_logits(self.model, {"input_ids": ids}, positions, meta, self.rows[:bucket])
         return bool(((from_ids == from_embeddings) | (from_ids.isnan() & from_embeddings.isnan())).all())
 
     def launch(self, requests, ahead: bool = False) -> _Launched:
