@@ -32,7 +32,7 @@ def generation_mode(model: torch.nn.Module):
     """Run the model with paged attention, in eval and inference mode; restore every module's training flag
     and the attention implementation afterwards, also when the body raises."""
     base = base_model(model)
-    training = [module for module in model.modules() if module.training]
+    training = {id(module) for module in model.modules() if module.training}
     previous = base.config._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -42,7 +42,8 @@ def generation_mode(model: torch.nn.Module):
         with torch.inference_mode():
             yield
     finally:
-        if previous != ATTN_IMPLEMENTATION:
+        if base.config._attn_implementation != previous:
             base.set_attn_implementation(previous)
-        for module in training:
-            module.training = True
+        for module in model.modules():        # one walk; a flag is written only where it differs (a costly setattr)
+            if module.training != (id(module) in training):
+                module.training = id(module) in training

@@ -16,7 +16,8 @@ from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    """Runs one step of the flat batch through the model as is (attention comes from the registered backend)."""
+    """Runs one step of the flat batch through the model (attention comes from the registered backend): replayed
+    graphs for pure decode, else the compiled decode step's function or the model's eager forward."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: ModuleType, device: torch.device,
                  graphs: DecodeGraphs | None = None):
@@ -85,6 +86,7 @@ class ModelRunner:
                 seq_lens, starts, tables = seq_lens + [0], starts + [starts[-1] + 1], tables + [[]]
             keep += (keep[-1:] or [0]) * (2 - len(keep))
         width = table_width or max(len(blocks) for blocks in tables)
+        assert all(len(blocks) <= width for blocks in tables), "a block table wider than the compiled step's"
         device = self.device
         ids, positions, slots = _packed([ids, positions, slots], torch.int64, device)
         starts, seq_lens, tables = _packed([starts, seq_lens, [b for blocks in tables

@@ -203,24 +203,73 @@ def test_adapter_switch_changes_fingerprint():
     assert model_fingerprint(model) == before
 
 
+def _record_compiled_steps(driver) -> list:
+    """For every step the driver runs uncaptured: [its chunks as (length, samples, is a decode row), its logits from
+    the compiled function (None: it ran eagerly)]."""
+    steps, step, logits = [], driver.runner.step, driver.graphs.logits
+
+    def recorded_step(plan):
+        steps.append([[(c.length, c.samples, c.start >= len(c.request.prompt)) for c in plan], None])
+        return step(plan)
+
+    def recorded_logits(*args):
+        steps[-1][1] = logits(*args)
+        return steps[-1][1]
+    driver.runner.step, driver.graphs.logits = recorded_step, recorded_logits
+    return steps
+
+
+def _step_kind(chunks) -> str:
+    decode_rows = any(is_decode for _, _, is_decode in chunks)
+    if len(chunks) == 1:
+        return "one request's chunk" + ("" if chunks[0][1] else " that samples nothing")
+    if not decode_rows:
+        return "prefill of several requests"
+    return "one token a request, with decode rows" if all(n == 1 for n, _, _ in chunks) else "chunks and decode rows"
+
+
 def test_compiled_decode_step_compiles_once_for_all_buckets_drivers_and_prefill_steps():
-    """One compile serves every bucket, a second driver with a larger KV cache (same table width), and the steps
-    that are not pure decode: prefill of several requests, one request's chunks that sample nothing, and its
-    last chunk, which samples one row."""
+    """One compile serves every bucket, a second driver with a larger KV cache (same table width), and every step
+    that is not pure decode, each through the compiled function: prefill of several requests, one request's
+    chunks (sampling nothing, then one row), one-token chunks next to decode rows (as many tokens as requests: the
+    decode kernels), longer chunks next to decode rows. Only the decode's sampling mode is captured, and a call
+    that never decodes captures nothing."""
     pytest.importorskip("triton")
     from torch._dynamo.utils import counters
     model = make_model("qwen3", lora=True)
     before = counters["stats"]["unique_graphs"]
-    for prompts, max_batch_tokens in ((random_prompts([3, 20, 41]), 2048), (random_prompts([40, 45, 50], seed=3), 2048),
-                                      (random_prompts([37], seed=4), 16)):
+    kinds = set()
+    for lengths, seed, max_batch_tokens, new_tokens in (([3, 20, 41], 0, 2048, 6), ([40, 45, 50], 3, 2048, 6),
+                                                         ([37], 4, 16, 6), ([1, 1, 1, 40], 5, 4, 6),
+                                                         ([2, 40], 6, 8, 6), ([40], 7, 2048, 1)):
+        prompts = random_prompts(lengths, seed=seed)
         driver = _compiled_static_path(model, max_batch_size=8, max_batch_tokens=max_batch_tokens)
-        compiled_steps, logits = [], driver.graphs.logits
-        driver.graphs.logits = lambda *args: compiled_steps.append(logits(*args)) or compiled_steps[-1]
-        results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
+        steps = _record_compiled_steps(driver)
+        results = driver.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
         assert driver.graphs.buckets == [2, 4, 8]
-        assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
-        assert len(compiled_steps) == (3 if max_batch_tokens == 16 else 1)
-        assert all(step is not None for step in compiled_steps)
+        assert [r.token_ids for r in results] == [hf_greedy(model, p, new_tokens) for p in prompts]
+        assert steps and all(logits is not None for _, logits in steps)
+        assert {mode for _, mode in driver.graphs.graphs} == ({GREEDY} if new_tokens > 1 else set())
+        kinds.update(_step_kind(chunks) for chunks, _ in steps)
+    assert kinds == {"prefill of several requests", "one request's chunk", "one request's chunk that samples nothing",
+                     "one token a request, with decode rows", "chunks and decode rows"}
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_compiled_bucket_of_one_leaves_the_other_steps_eager():
+    """max_batch_size=1 compiles the decode step for one row (its counts of one specialised): steps that are not
+    pure decode stay eager rather than compile again."""
+    pytest.importorskip("triton")
+    from torch._dynamo.utils import counters
+    model = make_model("qwen3", lora=True)
+    before = counters["stats"]["unique_graphs"]
+    driver = _compiled_static_path(model, max_batch_size=1, max_batch_tokens=16)
+    steps = _record_compiled_steps(driver)
+    prompts = random_prompts([37, 5])
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
+    assert driver.graphs.buckets == [1] and driver.graphs.compiled
+    assert len(steps) >= 4 and all(logits is None for _, logits in steps)
     assert counters["stats"]["unique_graphs"] - before == 1
 
 

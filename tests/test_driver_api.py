@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+from cb_sync.attention import ATTN_IMPLEMENTATION
+from cb_sync.model_state import generation_mode
 
 from conftest import VOCAB, hf_greedy, make_model, random_prompts
 
@@ -88,6 +90,24 @@ def test_state_restored_after_call_and_after_error():
     assert model.get_base_model().config._attn_implementation == impl
     driver.runner.step = original
     assert len(driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
+def test_generation_mode_restores_what_its_body_changes():
+    """Flags and the attention implementation come back as they were on entry, also where the body changed them
+    (a callback calling train(), another attention implementation) and raised."""
+    model = make_model("llama", lora=True)
+    model.base_model.model.model.layers[0].train()
+    flags = [m.training for m in model.modules()]
+    base = model.get_base_model()
+    for entry_impl in ("sdpa", ATTN_IMPLEMENTATION):
+        base.set_attn_implementation(entry_impl)
+        with pytest.raises(RuntimeError, match="boom"), generation_mode(model):
+            assert not any(m.training for m in model.modules())
+            model.train()
+            base.set_attn_implementation("eager")
+            raise RuntimeError("boom")
+        assert [m.training for m in model.modules()] == flags
+        assert base.config._attn_implementation == entry_impl
 
 
 def test_in_place_weight_updates_are_seen():

@@ -1,9 +1,11 @@
 """Triton paged attention: KV-cache store, split-K decode and varlen prefill over a paged KV cache.
 
-Same contract as `sdpa_paged`, without its host-side bounds. The query heads that share a KV head are packed
-into the rows of one program (row = query * BLOCK_G + head in group), so each K/V tile is loaded once per KV
-head. Every launch grid depends only on tensor shapes, never on values, so a decode step can be captured in a
-CUDA graph and replayed with new seq_lens / block_tables. No function here synchronises with the host.
+Same contract as `sdpa_paged`, without its host-side bounds, for batches where every request brings at least one
+query (the decode kernels serve batches of one query per request, told apart by shape). The query heads that
+share a KV head are packed into the rows of one program (row = query * BLOCK_G + head in group), so each K/V
+tile is loaded once per KV head. Every launch grid depends only on tensor shapes, never on values, so a decode
+step can be captured in a CUDA graph and replayed with new seq_lens / block_tables. No function here
+synchronises with the host.
 """
 
 import functools
@@ -91,9 +93,8 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, se
     kv_head = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     q_tok = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_tok
     part_start = part * PARTITION
-    if (q_len == 0) | (part_start >= seq_len):
+    if part_start >= seq_len:
         return
 
     rows = tl.arange(0, BLOCK_M)
@@ -133,9 +134,6 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, seq_lens_ptr, query_st
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_tok = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_tok
-    if q_len == 0:
-        return
     seq_len = tl.load(seq_lens_ptr + req)
     p = tl.arange(0, BLOCK_P)
     p_valid = p < tl.cdiv(seq_len, PARTITION)
@@ -152,7 +150,7 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, seq_lens_ptr, query_st
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])     # no second variant for request counts divisible by 16
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                     stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
@@ -232,8 +230,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
 
-    Every request brings at least one query (a padded row: one query, seq_len 0). One query per request
-    (T == R) takes the split-K decode path, otherwise the varlen prefill path runs. Both launch grids depend only
+    Precondition: every request brings at least one query (a padded row: one query, seq_len 0); it is not
+    checked (that would synchronise). One query per request (T == R) takes the split-K decode path, otherwise the
+    varlen prefill path runs. Both launch grids depend only
     on shapes, never on values: a decode step can be captured in a CUDA graph, and a compiled step that runs
     this op has no host-side bound to guard on. Rows of padded requests (seq_len 0) come back as zeros.
     """

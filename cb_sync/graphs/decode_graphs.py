@@ -62,7 +62,8 @@ def compiled_model_logits():
 
 
 class DecodeGraphs:
-    """Replays a captured decode step for plans where every request feeds one token and samples the next."""
+    """Replays a captured decode step for plans where every request feeds one token and samples the next;
+    compiled, also runs the other steps through the same compiled function (`logits`), uncaptured."""
 
     def __init__(self, model: torch.nn.Module, cache, backend, max_batch_size: int, compile_model: bool):
         self.model = model
@@ -81,11 +82,12 @@ class DecodeGraphs:
         self.latest = None                      # the step launched last
         self.warmup_seconds = 0.0               # uncaptured first runs per bucket: compile, autotune, lazy init
         self.capture_seconds = 0.0
-        output = base_model(model).get_output_embeddings()
+        output = base_model(model).get_output_embeddings()     # (it sees the kept rows only)
+        head = {id(m) for m in output.modules()} if output is not None else set()
         widest = max((max(m.in_features, m.out_features) for m in model.modules()
-                      if isinstance(m, torch.nn.Linear) and m is not output), default=1)
-        self.max_compiled_tokens = KERNEL_MAX_ELEMENTS // widest   # the LoRA kernel's int32 offsets, which the
-        # compiled step does not check (eager, larger steps go to PEFT's forward)
+                      if isinstance(m, torch.nn.Linear) and id(m) not in head), default=1)
+        self.max_compiled_tokens = KERNEL_MAX_ELEMENTS // widest   # within the LoRA kernel's int32 offsets: the
+        # compiled step has no fallback to PEFT's forward for larger steps (an eager step has)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -167,17 +169,20 @@ class DecodeGraphs:
             return self.forward(self.model, inputs, positions, meta, keep)
 
     def runs_steps(self, num_tokens: int) -> bool:
-        """Whether steps that are not pure decode, of this many tokens, run through the compiled decode step."""
-        return self.compiled and num_tokens <= self.max_compiled_tokens
+        """Whether steps that are not pure decode, of this many tokens, run through the compiled decode step (not
+        where a bucket of one request was compiled: its counts of one are specialised, so a step padded to two
+        would compile again)."""
+        return self.compiled and self.buckets[0] > 1 and num_tokens <= self.max_compiled_tokens
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, keep: torch.Tensor,
                mode: int) -> torch.Tensor | None:
-        """Logits of the rows `keep` of a step that is not pure decode, through the compiled decode step (compiled
-        and captured first for this sampling mode, if not yet: compile time stays out of the steps' time).
-        The batch has at least two requests and two rows kept (a compiled count of one would be specialised).
-        None if the compile failed: the caller runs the step eagerly."""
-        if (self.max_batch, mode) not in self.graphs:
-            self._capture_all(mode)
+        """Logits of the rows `keep` of a step that is not pure decode, through the compiled decode step (if
+        nothing is compiled yet, the decode step is first warmed up uncaptured: the compile's time counts as
+        warm-up, not as this step's). The batch has at least two requests and two rows kept (a compiled count of
+        one would be specialised). None if the compile failed: the caller runs the step eagerly."""
+        if self.from_embeddings is None:
+            self._reset_static_inputs()
+            self._timed_warm_up(self.max_batch, mode)
         if not self.compiled:
             return None
         return self._logits(ids, positions, meta, keep)
@@ -191,22 +196,17 @@ class DecodeGraphs:
 
     def _capture_all(self, mode: int) -> None:
         """Capture every bucket for this sampling mode, largest first, into the shared pool."""
-        self.slots.fill_(-1)
-        self.seq_lens.zero_()
-        self.tables.zero_()
+        self._reset_static_inputs()
         if self.cache.device.type != "cuda":       # no capture off CUDA: replay runs the step itself
             if self.compiled:
-                self._warm_up(self.max_batch, mode)
+                self._timed_warm_up(self.max_batch, mode)
             self.graphs.update({(b, mode): _EagerStep(self.step, b, mode) for b in self.buckets})
             return
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
-            start = time.perf_counter()
-            if not self._warm_up(bucket, mode):     # the compile failed: capture every bucket anew, uncompiled
+            if not self._timed_warm_up(bucket, mode):     # the compile failed: capture every bucket anew, uncompiled
                 return self._capture_all(mode)
-            torch.cuda.synchronize()
-            self.warmup_seconds += time.perf_counter() - start
             start = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -214,6 +214,21 @@ class DecodeGraphs:
             self.graphs[(bucket, mode)] = graph
             torch.cuda.synchronize()
             self.capture_seconds += time.perf_counter() - start
+
+    def _reset_static_inputs(self) -> None:
+        """Rows that store nothing and read no cache, for steps run outside a real batch (warm-up, capture)."""
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        self.tables.zero_()
+
+    def _timed_warm_up(self, bucket: int, mode: int) -> bool:
+        """`_warm_up`, its time (to the end of its GPU work) added to warmup_seconds."""
+        start = time.perf_counter()
+        warmed = self._warm_up(bucket, mode)
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.warmup_seconds += time.perf_counter() - start
+        return warmed
 
     def _warm_up(self, bucket: int, mode: int) -> bool:
         """Run the step once before its capture (compile, autotune, lazy init). A compile that fails warns and

@@ -22,8 +22,9 @@ import torch
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
 KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within reach of the kernel's int32 offsets
 HOST_BOUND_ROWS = range(257, 4096)   # uncompiled steps of these sizes are bound by the host's launch costs, and
-# PEFT's forward measured faster there (benchmarks/NOTES.md, attempt 10); decode steps of up to 256 rows (replayed
-# graphs; larger buckets keep PEFT's forward both captured and uncaptured) and long prefill steps take the kernel
+# PEFT's forward measured faster there (benchmarks/NOTES.md, attempt 10); uncompiled decode steps of up to 256 rows
+# (replayed graphs; larger buckets keep PEFT's forward both captured and uncaptured), long uncompiled prefill steps
+# and compiled steps of any size take the kernel
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -95,7 +96,7 @@ def _kernel_adapter(module, x: torch.Tensor):
     """
     names = [name for name in module.active_adapters if name in module.lora_A.keys()]
     base = module.base_layer
-    if not torch.compiler.is_compiling():     # compiled steps are decode steps: no size test to guard on
+    if not torch.compiler.is_compiling():     # compiled: no size test to guard on (DecodeGraphs bounds the rows)
         rows = x.shape[:-1].numel()
         if rows in HOST_BOUND_ROWS or rows * max(base.in_features, base.out_features) > KERNEL_MAX_ELEMENTS:
             return None
