@@ -5,7 +5,8 @@ cb_sync and its peers run in one process on the same card; the table gives ratio
     python -m benchmarks.throughput --tiny --out DIR     # CPU plumbing check: tiny Qwen3, fp32, a few tokens
 
 Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's LoRA forward), cb_sync_compiled
-(+ torch.compile; run after the others so that one compile serves every batch), hf_generate, hf_generate_static
+(+ torch.compile, which also runs the steps that are not pure decode), cb_sync_decode_compiled (those steps eager;
+compiled engines run after the others so that one compile serves every batch), hf_generate, hf_generate_static
 (static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb.
 """
 
@@ -37,10 +38,12 @@ def _timed(fn):
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
 
 
-def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True):
+def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True, compiled_prefill=True):
     from cb_sync import CBConfig, SamplingParams, SyncCBDriver
     driver = SyncCBDriver(model, CBConfig(max_batch_size=max(len(prompts), 1), max_batch_tokens=PREFILL_TOKENS,
                                           compile=compile_model, lora_kernels=lora_kernels))
+    if not compiled_prefill and driver.graphs is not None:
+        driver.graphs.runs_steps = lambda num_tokens: False         # steps that are not pure decode run eagerly
     params = SamplingParams(max_new_tokens=new_tokens)
     warmup, _ = _timed(lambda: driver.generate(prompts, params))
     steps = _time_steps(driver)
@@ -122,6 +125,7 @@ ENGINES = {
     "cb_sync": run_cb_sync,                                                   # graphs + Triton LoRA kernel
     "cb_sync_peft_lora": lambda *a: run_cb_sync(*a, lora_kernels=False),      # graphs, PEFT's LoRA forward
     "cb_sync_compiled": lambda *a: run_cb_sync(*a, compile_model=True),       # + torch.compile
+    "cb_sync_decode_compiled": lambda *a: run_cb_sync(*a, compile_model=True, compiled_prefill=False),  # prefill eager
     "hf_generate": run_hf_generate,
     "hf_generate_static": lambda *a: run_hf_generate(*a, static=True),     # + static cache, compiled by HF
     "transformers_cb": run_transformers_cb,
