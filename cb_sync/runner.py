@@ -10,7 +10,7 @@ from .attention import AttnMetadata
 from .cache import PagedKVCache
 from .request import Request
 from .graphs import is_pure_decode
-from .graphs.decode_graphs import GREEDY, DecodeGraphs, sampling_mode
+from .graphs.decode_graphs import DecodeGraphs
 from .sampling import sample_exactly, sampling_batch
 from .scheduler import ScheduledChunk
 
@@ -34,10 +34,7 @@ class ModelRunner:
         num_tokens = sum(chunk.length for chunk in plan)
         compiled = self.graphs is not None and self.graphs.runs_steps(num_tokens)
         inputs, meta, keep, samplers = self.prepare(plan, self.graphs.width if compiled else None)
-        logits = None
-        if compiled:
-            mode = sampling_mode(r.params for r in samplers) if samplers else GREEDY
-            logits = self.graphs.logits(inputs["input_ids"], inputs["position_ids"], meta, keep, mode)
+        logits = self.graphs.logits(inputs["input_ids"], inputs["position_ids"], meta, keep) if compiled else None
         if logits is None:     # not compiled (or the compile failed: the padded batch runs as it is)
             logits = self.model(**inputs, cb_meta=meta, logits_to_keep=keep, use_cache=False).logits[0]
         if not samplers:
@@ -86,6 +83,7 @@ class ModelRunner:
                 seq_lens, starts, tables = seq_lens + [0], starts + [starts[-1] + 1], tables + [[]]
             keep += (keep[-1:] or [0]) * (2 - len(keep))
         width = table_width or max(len(blocks) for blocks in tables)
+        max_query_len, max_seq_len = max(chunk.length for chunk in plan), max(seq_lens)
         assert all(len(blocks) <= width for blocks in tables), "a block table wider than the compiled step's"
         device = self.device
         ids, positions, slots = _packed([ids, positions, slots], torch.int64, device)
@@ -93,8 +91,7 @@ class ModelRunner:
                                                                for b in blocks + [0] * (width - len(blocks))]],
                                            torch.int32, device)
         meta = AttnMetadata(slot_mapping=slots, block_tables=tables.view(-1, width), seq_lens=seq_lens,
-                            query_start_loc=starts, max_query_len=max(chunk.length for chunk in plan),
-                            max_seq_len=max(chunk.start + chunk.length for chunk in plan),
+                            query_start_loc=starts, max_query_len=max_query_len, max_seq_len=max_seq_len,
                             k_caches=self.cache.k_caches, v_caches=self.cache.v_caches, backend=self.backend)
         inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0)}
         return inputs, meta, torch.tensor(keep, dtype=torch.int64).to(device), samplers

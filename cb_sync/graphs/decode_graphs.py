@@ -174,15 +174,15 @@ class DecodeGraphs:
         would compile again)."""
         return self.compiled and self.buckets[0] > 1 and num_tokens <= self.max_compiled_tokens
 
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, keep: torch.Tensor,
-               mode: int) -> torch.Tensor | None:
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+               keep: torch.Tensor) -> torch.Tensor | None:
         """Logits of the rows `keep` of a step that is not pure decode, through the compiled decode step (if
         nothing is compiled yet, the decode step is first warmed up uncaptured: the compile's time counts as
         warm-up, not as this step's). The batch has at least two requests and two rows kept (a compiled count of
         one would be specialised). None if the compile failed: the caller runs the step eagerly."""
-        if self.from_embeddings is None:
+        if self.from_embeddings is None:          # (the compiled function leaves sampling out: any mode will do)
             self._reset_static_inputs()
-            self._timed_warm_up(self.max_batch, mode)
+            self._timed_warm_up(self.max_batch, GREEDY)
         if not self.compiled:
             return None
         return self._logits(ids, positions, meta, keep)
