@@ -10,9 +10,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=5.17,<6", "tqdm"],
     extras_require={
-        "gpu": ["triton>=3.2"],
+        "gpu": ["triton>=3.3"],
         "trl": ["trl>=1.16,<1.17", "peft>=0.17", "accelerate"],
-        "test": ["pytest", "hypothesis", "peft>=0.17", "triton>=3.2", "trl>=1.16,<1.17", "accelerate", "datasets", "tokenizers"],
+        "test": ["pytest", "hypothesis", "peft>=0.17", "triton>=3.3", "trl>=1.16,<1.17", "accelerate", "datasets", "tokenizers"],
     },
     entry_points={"console_scripts": ["cb-sync=cb_sync.cli:main"]},
 )

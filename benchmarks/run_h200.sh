@@ -4,7 +4,7 @@
 #   bash benchmarks/run_h200.sh throughput [ARGS]             Workload T vs HF generate and transformers CB
 #   bash benchmarks/run_h200.sh decode [ARGS]                 decode-step probe per bucket, eager vs graph
 #   bash benchmarks/run_h200.sh loop [ARGS]                   driver-loop probe: wall ms per step vs replay
-#   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs trl/datasets wheels in .whl/
+#   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs trl, datasets, multiprocess, dill, xxhash wheels in .whl/
 #     (the image's own pyarrow is used: a carried pyarrow wheel is left out)
 set -o pipefail
 export PYTHONUNBUFFERED=1

@@ -394,3 +394,12 @@ def test_inputs_that_want_gradients_and_fp64_keep_peft_forward(spy):
             model.double()
             inner.q_proj(torch.randn(3, 64, device=DEVICE, dtype=torch.float64))
     assert spy == []
+
+
+def test_layer_probe_variants_set_kernel_constants_and_restore_them():
+    """`benchmarks.lora_layers` variants ("kernels:NAME=V,PDL=0") patch the module only inside their block."""
+    from benchmarks.lora_layers import _patched
+    pdl, columns = kernels._pdl, kernels.EXPAND_BLOCK_N
+    with _patched(kernels, "EXPAND_BLOCK_N=32,PDL=0"):
+        assert kernels.EXPAND_BLOCK_N == 32 and not kernels._pdl(torch.device(DEVICE))
+    assert kernels.EXPAND_BLOCK_N == columns and kernels._pdl is pdl

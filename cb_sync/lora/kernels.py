@@ -9,18 +9,22 @@ computes x A_i^T for every member over K splits into fp32 partials (no atomics, 
 spanning all members' outputs. Intermediates are rounded to the compute dtype (the adapter's, or autocast's)
 where PEFT's modules round them, and sums run in fp32 as cuBLAS's do; fp32 products run on bf16 tensor cores
 with each operand split into three bf16 parts (`_dot`). Grids depend only on shapes (CUDA-graph safe).
-Prefill-sized inputs (LARGE_ROWS and more) take 64-row tiles and, by default, one K split.
+Prefill-sized inputs (LARGE_ROWS and more) take 64-row tiles and, by default, one K split. On Hopper the expand
+launch is a programmatic dependent launch: its programs start while the shrink runs, read or compute their base,
+and wait for the shrink's partials only before reading them.
 
 `lora_linear_group` also computes the base GEMMs x W_i^T (+ bias) for few rows: in the expand launch for wide
 groups (GEMM_BASE), or split over K by extra programs of the shrink launch whose fp32 partials the expand launch
 sums in a fixed order (SUMMED_BASE), so narrow layers still fill the GPU.
 """
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_MEMBERS = 3       # projections per launch
 BLOCK_M = 16          # rows per program below LARGE_ROWS
@@ -155,11 +159,14 @@ def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_p
 @triton.jit
 def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk,
                    row_tiles, num_splits, members, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr,
-                   COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, SPLIT_K: tl.constexpr,
+                   COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
+                   SPLIT_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    BASE_SPLIT_K: tl.constexpr, BASE_BLOCK_M: tl.constexpr, BASE_BLOCK_N: tl.constexpr):
     """The first row_tiles x num_splits x members programs: one LoRA shrink tile each. Any further programs: one
-    (column tile, K split) of the split-K base GEMMs each."""
+    (column tile, K split) of the split-K base GEMMs each. With PDL the expand launch may start at once."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     lora_programs = row_tiles * num_splits * members
     if pid < lora_programs:
@@ -178,12 +185,14 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
                    out2_ptr, n0, n1, n2, r0, r1, r2, s0, s1, s2, M, num_splits,
                    x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, K, stride_xm, base_partial_ptr,
                    base_splits,
-                   COMPUTE: tl.constexpr, NATIVE: tl.constexpr, BASE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   COMPUTE: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr, BASE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr,
                    X_IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_R: tl.constexpr):
     """Program (column tile over all members, row tile): out = base + round(round(xa @ B^T) * scaling). BASE
     READ_BASE: base read from memory; GEMM_BASE: computed here as x @ W^T; SUMMED_BASE: the shrink launch's split-K
-    partials of x @ W^T summed in split order. Computed bases add the bias and round to the output dtype."""
+    partials of x @ W^T summed in split order. Computed bases add the bias and round to the output dtype. With PDL
+    the shrink launch's results are read only after its completion is awaited (`gdc_wait`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     tiles0 = tl.cdiv(n0, BLOCK_N)
@@ -208,12 +217,16 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
     offs = rows[:, None] * N + cols[None, :]
     if BASE == 0:
         base = tl.load(base_ptr + offs, mask=mask, other=0.0)
+        if PDL:
+            gdc_wait()
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if BASE == 1:
             acc = _x_wt(acc, x_ptr, w_ptr, rows, cols, M, N, K, 0, K, stride_xm, 1, False, tl.float32, X_IS_BF16,
                         NATIVE, BLOCK_K)
-        else:
+        if PDL:
+            gdc_wait()
+        if BASE == 2:
             for split in range(base_splits):
                 acc += tl.load(base_partial_ptr + (split * M + rows[:, None]) * (n0 + n1 + n2) + first + cols[None, :],
                                mask=mask, other=0.0)
@@ -254,6 +267,12 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int | None, bloc
         raise ValueError(f"{x.shape[0]} rows x {columns} features exceed the kernels' int32 offsets")
 
 
+@functools.cache
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch of the expand launch: Hopper and later (benchmarks/NOTES.md, attempt 13)."""
+    return _NATIVE_DOTS and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _shrink_tiles(m: int, k: int, block_k: int) -> tuple[int, int]:
     """(rows per program, input features per K split) of the LoRA shrink for m rows."""
     if m >= LARGE_ROWS:
@@ -287,10 +306,11 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     base_partial = torch.empty((base_splits, m, sum(widths)), dtype=torch.float32, device=x.device)
     base_programs = base_splits * sum(triton.cdiv(n, base_block_n) for n in widths)
     weights = weights or outs                                        # unread when absent
+    pdl = _pdl(x.device)
     _shrink_kernel[(row_tiles * num_splits * len(outs) + base_programs,)](
         x, *_padded(lora_as, lora_as[0]), *_padded(ranks, 0), partial, m, k, *x.stride(), row_tiles, num_splits,
         len(outs), *_padded(weights, weights[0]), *_padded(widths, 0), base_partial,
-        COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, SPLIT_K=split_k,
+        COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, PDL=pdl, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BASE_SPLIT_K=base_split_k,
         BASE_BLOCK_M=max(16, triton.next_power_of_2(m)) if base_splits else 16, BASE_BLOCK_N=base_block_n,
         num_warps=4)
@@ -305,9 +325,9 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         partial, *_padded(lora_bs, lora_bs[0]), *_padded(bases, bases[0]), *_padded(outs, outs[0]),
         *_padded(widths, 0), *_padded(ranks, 0), *_padded([float(s) for s in scalings], 0.0), m, num_splits,
         x, *_padded(weights, weights[0]), *_padded(biases, biases[0]), k, x.stride(0), base_partial, base_splits,
-        COMPUTE=compute, NATIVE=_NATIVE_DOTS, BASE=base_mode, HAS_BIAS=has_bias,
+        COMPUTE=compute, NATIVE=_NATIVE_DOTS, PDL=pdl, BASE=base_mode, HAS_BIAS=has_bias,
         X_IS_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-        num_warps=4)
+        num_warps=4, launch_pdl=pdl)
     return outs
 
 
