@@ -11,6 +11,7 @@ from .cache import PagedKVCache
 from .request import Request
 from .graphs import is_pure_decode
 from .graphs.decode_graphs import DecodeGraphs
+from .graphs.step_inputs import ALIGN
 from .sampling import sample_exactly, sampling_batch
 from .scheduler import ScheduledChunk
 
@@ -98,9 +99,9 @@ class ModelRunner:
 
 
 def _packed(columns: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """The columns as views of one tensor sent with one copy, each starting at a 16-byte boundary, as the decode
-    step's static inputs do (so that a compiled step sees storage offsets of the same kind in both)."""
-    align = 16 // dtype.itemsize
+    """The columns as views of one tensor sent with one copy, each starting at an ALIGN-byte boundary, as the
+    decode step's static inputs do (so that a compiled step sees storage offsets of the same kind in both)."""
+    align = ALIGN // dtype.itemsize
     flat, offsets = [], []
     for column in columns:
         offsets.append(len(flat))

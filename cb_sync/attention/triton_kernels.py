@@ -233,7 +233,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Precondition: every request brings at least one query (a padded row: one query, seq_len 0); it is not
     checked (that would synchronise). One query per request (T == R) takes the split-K decode path, otherwise the
     varlen prefill path runs. Both launch grids depend only on shapes, never on values: a decode step can be
-    captured in a CUDA graph, and a compiled step that runs this op has no host-side bound to guard on. Rows of padded requests (seq_len 0) come back as zeros.
+    captured in a CUDA graph, and a compiled step that runs this op has no host-side bound to guard on. Rows of
+    padded requests (seq_len 0) come back as zeros.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
