@@ -4,8 +4,8 @@ layers of weights streamed from HBM (not L2-resident as in `benchmarks.lora_kern
 Variants run in one process, alternating, so they compare in the same run:
   cublas                 torch's base GEMMs alone (no LoRA): the reference
   kernels                cb_sync's kernels as they are
-  kernels:NAME=V,...     the same with module constants set (e.g. LARGE_ROWS=64; PDL=0: no programmatic
-                         dependent launch)
+  kernels:NAME=V,...     the same with module constants set (e.g. LARGE_ROWS=64, SUMMED_BASE_TILES=1024x64 for
+                         a tuple; PDL=0: no programmatic dependent launch)
   other[:NAME=V,...]     the kernels module at --other (e.g. `git show REV:cb_sync/lora/kernels.py`)
     python -m benchmarks.lora_layers [--rows 4 32 128] [--variants cublas kernels kernels:PDL=0] [--other FILE]
 """
@@ -43,7 +43,8 @@ def _group_call(module, variant: str):
 
 @contextlib.contextmanager
 def _patched(module, patches: str):
-    """module's constants set from "NAME=V,..." (PDL=0 turns programmatic dependent launch off), then restored."""
+    """module's constants set from "NAME=V,..." (AxB: a tuple; PDL=0 turns programmatic dependent launch off), then
+    restored."""
     settings = dict(item.split("=") for item in patches.split(",") if item)
     saved = {name: getattr(module, name) for name in settings if name != "PDL"}
     saved_pdl = getattr(module, "_pdl", None)
@@ -51,7 +52,7 @@ def _patched(module, patches: str):
         if name == "PDL":
             module._pdl = lambda device, on=value == "1": on and saved_pdl(device)
         else:
-            setattr(module, name, int(value))
+            setattr(module, name, tuple(map(int, value.split("x"))) if "x" in value else int(value))
     try:
         yield
     finally:

@@ -1,4 +1,5 @@
-"""Entering and leaving generation: attention implementation, eval mode, inference mode, always restored."""
+"""Entering and leaving generation: attention implementation, eval mode, inference mode, rotary tables computed
+once per compiled step; always restored."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from .attention import ATTN_IMPLEMENTATION
+from .graphs.rotary import rotary_tables_materialized
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -29,8 +31,9 @@ def check_supported(model: torch.nn.Module) -> None:
 
 @contextmanager
 def generation_mode(model: torch.nn.Module):
-    """Run the model with paged attention, in eval and inference mode; restore every module's training flag
-    and the attention implementation afterwards, also when the body raises."""
+    """Run the model with paged attention, in eval and inference mode, its rotary tables computed once per compiled
+    step (`graphs.rotary`); restore every module's training flag, the attention implementation and the rotary
+    modules afterwards, also when the body raises."""
     base = base_model(model)
     training = {id(module) for module in model.modules() if module.training}
     previous = base.config._attn_implementation
@@ -39,7 +42,7 @@ def generation_mode(model: torch.nn.Module):
     try:
         if training:
             model.eval()
-        with torch.inference_mode():
+        with torch.inference_mode(), rotary_tables_materialized(model):
             yield
     finally:
         if base.config._attn_implementation != previous:

@@ -341,3 +341,33 @@ def test_compiled_step_starts_from_ids_when_embeddings_alone_change_the_logits()
     results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
     assert driver.graphs.compiled and driver.graphs.from_embeddings is False
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
+
+
+def _cosine_kernel_calls(model, ids) -> int:
+    """How many kernel calls of a compiled forward of `model` evaluate a cosine (inductor names a kernel after the
+    ops fused into it)."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, code = run_and_get_code(torch.compile(lambda: model(ids).logits))
+    lines = [line for source in code for line in source.splitlines()]
+    names = {line.split("=")[0].strip() for line in lines if "async_compile." in line and "cos" in line.split("=")[0]}
+    return sum(line.strip().startswith(name + "(") or line.strip().startswith(name + ".run(")
+               for line in lines for name in names)
+
+
+def test_compiled_forward_computes_the_rotary_tables_once():
+    """Inductor would evaluate cos/sin inside each layer's query and key kernels; with the tables materialized
+    one kernel computes them. Eager calls return the module's own tables, and the forward is restored."""
+    from cb_sync.graphs.rotary import rotary_tables_materialized
+    model = make_model("qwen3")
+    rotary = model.model.rotary_emb
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert _cosine_kernel_calls(model, ids) >= model.config.num_hidden_layers
+    with rotary_tables_materialized(model):
+        assert _cosine_kernel_calls(model, ids) == 1
+        hidden, positions = torch.zeros(1, 5, model.config.hidden_size), torch.arange(5)[None]
+        assert all(torch.equal(a, b) for a, b in zip(rotary(hidden, positions),
+                                                     type(rotary).forward(rotary, hidden, positions)))
+    assert "forward" not in rotary.__dict__
+    torch._dynamo.reset()

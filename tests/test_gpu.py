@@ -131,28 +131,60 @@ def test_release_then_generate_same_tokens():
     assert [r.token_ids for r in first] == [r.token_ids for r in second]
 
 
-@pytest.mark.xfail(strict=True, reason="H200, bf16: mean |delta| 0.029 against the 0.01 target (one bf16 ulp of "
-                   "the logits); see benchmarks/NOTES.md")
-def test_4b_shape_logprobs_agree_with_teacher_forced_hf():
-    """32 requests x 128 greedy tokens on the Qwen3-4B shape (bf16, LoRA): driver logprobs vs an HF eager forward."""
+@pytest.fixture(scope="module")
+def four_b_greedy_run():
+    """The Qwen3-4B shape (bf16, LoRA), 32 requests x 128 greedy tokens with logprobs: (model, prompts, results)."""
     from benchmarks.common import build_model
     model = build_model(lora=True)
     prompts = torch.randint(0, 151936, (32, 128), generator=torch.Generator().manual_seed(0)).tolist()
     results = SyncCBDriver(model, CBConfig(max_batch_size=32, max_batch_tokens=4096)).generate(
         prompts, SamplingParams(max_new_tokens=128, logprobs=True))
-    deltas, off_argmax = [], 0
+    return model, prompts, results
+
+
+def _teacher_forced(model, prompts, results) -> tuple[torch.Tensor, int]:
+    """Log-probabilities of the driver's tokens [requests, tokens] from one forward of `model` over each prompt +
+    completion, and how many of those tokens sit more than 0.05 in logit below that forward's argmax."""
+    logprobs, off_argmax = [], 0
     with torch.no_grad():
         for prompt, result in zip(prompts, results):
             ids = torch.tensor([prompt + result.token_ids], device="cuda")
+            tokens = torch.tensor(result.token_ids, device="cuda")[:, None]
             logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-            ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(result.token_ids, device="cuda")[:, None])[:, 0]
-            deltas.append((ref - torch.tensor(result.logprobs, device="cuda")).abs())
-            chosen = logits.gather(1, torch.tensor(result.token_ids, device="cuda")[:, None])[:, 0]
-            off_argmax += int((logits.max(-1).values - chosen > 0.05).sum())
-    delta = torch.cat(deltas)
+            logprobs.append(torch.log_softmax(logits, -1).gather(1, tokens)[:, 0])
+            off_argmax += int((logits.max(-1).values - logits.gather(1, tokens)[:, 0] > 0.05).sum())
+    return torch.stack(logprobs), off_argmax
+
+
+def _driver_logprobs(results) -> torch.Tensor:
+    return torch.tensor([r.logprobs for r in results], device="cuda")
+
+
+@pytest.mark.xfail(strict=True, reason="H200, bf16: mean |delta| 0.031 against the 0.01 target; HF's own bf16 "
+                   "forwards differ from each other as much (benchmarks/NOTES.md, attempt 14)")
+def test_4b_shape_logprobs_agree_with_teacher_forced_hf(four_b_greedy_run):
+    """32 requests x 128 greedy tokens on the Qwen3-4B shape (bf16, LoRA): driver logprobs vs an HF forward."""
+    model, prompts, results = four_b_greedy_run
+    reference, off_argmax = _teacher_forced(model, prompts, results)
+    delta = (_driver_logprobs(results) - reference).abs()
     print(f"4B logprob |delta|: mean {delta.mean():.5f} max {delta.max():.5f}; "
           f"tokens > 0.05 below HF argmax: {off_argmax}/{delta.numel()}")
     assert delta.mean() <= 0.01
+
+
+def test_4b_shape_logprobs_as_close_to_fp32_as_hf_bf16_forward(four_b_greedy_run):
+    """Against a teacher-forced forward of an fp32 copy of the model, the driver's bf16 logprobs are as close as
+    HF's own teacher-forced bf16 forward of the same sequences (within 10%: both measured 0.0350 on the H200)."""
+    import copy
+    model, prompts, results = four_b_greedy_run
+    hf_bf16, _ = _teacher_forced(model, prompts, results)
+    fp32 = copy.deepcopy(model).float()
+    reference, _ = _teacher_forced(fp32, prompts, results)
+    del fp32
+    driver = (_driver_logprobs(results) - reference).abs().mean()
+    hf = (hf_bf16 - reference).abs().mean()
+    print(f"4B logprob mean |delta| against fp32: driver {driver:.5f}, HF bf16 forward {hf:.5f}")
+    assert driver <= 1.1 * hf
 
 
 def test_compiled_step_with_a_hooked_embedding_layer():

@@ -115,7 +115,7 @@ def test_partials_are_summed_over_every_k_split(split_k, block_k):
     torch.testing.assert_close(got, base + 0.5 * (x @ lora_a.T) @ lora_b.T, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("split_k, block_k", [(96, 64), (48, 48), (64, 8), (None, 256)])
+@pytest.mark.parametrize("split_k, block_k", [(96, 64), (48, 48), (64, 8), (None, 2 * kernels.SHRINK_SPLIT_K)])
 def test_tiles_that_would_miscount_features_are_refused(split_k, block_k):
     """Explicit splits, and the split chosen for 2 rows (SHRINK_SPLIT_K), that block_k does not divide."""
     x = torch.randn(2, 200, device=DEVICE)
@@ -399,7 +399,8 @@ def test_inputs_that_want_gradients_and_fp64_keep_peft_forward(spy):
 def test_layer_probe_variants_set_kernel_constants_and_restore_them():
     """`benchmarks.lora_layers` variants ("kernels:NAME=V,PDL=0") patch the module only inside their block."""
     from benchmarks.lora_layers import _patched
-    pdl, columns = kernels._pdl, kernels.EXPAND_BLOCK_N
-    with _patched(kernels, "EXPAND_BLOCK_N=32,PDL=0"):
+    pdl, columns, tiles = kernels._pdl, kernels.EXPAND_BLOCK_N, kernels.SUMMED_BASE_TILES
+    with _patched(kernels, "EXPAND_BLOCK_N=32,SUMMED_BASE_TILES=1024x32,PDL=0"):
         assert kernels.EXPAND_BLOCK_N == 32 and not kernels._pdl(torch.device(DEVICE))
-    assert kernels.EXPAND_BLOCK_N == columns and kernels._pdl is pdl
+        assert kernels.SUMMED_BASE_TILES == (1024, 32)
+    assert kernels.EXPAND_BLOCK_N == columns and kernels.SUMMED_BASE_TILES == tiles and kernels._pdl is pdl

@@ -28,18 +28,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_MEMBERS = 3       # projections per launch
 BLOCK_M = 16          # rows per program below LARGE_ROWS
-SHRINK_SPLIT_K = 128  # input features per shrink program below MID_ROWS rows, read SHRINK_BLOCK_K a load
-SHRINK_BLOCK_K = 128  # (benchmarks/NOTES.md, attempt 8)
+SHRINK_SPLIT_K = 512  # input features per shrink program below MID_ROWS rows, read SHRINK_BLOCK_K a load
+SHRINK_BLOCK_K = 128  # (benchmarks/NOTES.md, attempts 8 and 14)
 EXPAND_BLOCK_N = 64
 MID_ROWS, MID_SPLIT_K = 33, 256   # the shrink split from MID_ROWS rows on (benchmarks/NOTES.md, attempt 10)
 LARGE_ROWS = 256      # from this many rows on, LARGE_BLOCK_M rows per program and a shrink over the whole of K
 LARGE_BLOCK_M = 64
 FUSED_BASE_MAX_ROWS = 32   # `lora_linear_group` computes the base GEMMs in its own launches up to this many rows
-FUSED_BASE_MAX_K = 4096    # and input features, where they measured faster than cuBLAS (benchmarks/NOTES.md,
-# attempts 9 and 10; the 4B shape's down projection, 9,728 features, measured slower)
+FUSED_BASE_MAX_K = 9728    # and input features, where they measured faster than cuBLAS (benchmarks/NOTES.md,
+# attempts 9, 10 and 14: the 4B shape's down projection, 9,728 features, is the widest measured)
 GEMM_BASE_MIN_COLUMNS = 8192   # groups this wide compute the base GEMMs in the expand launch (gate/up);
-# narrower ones split them over K in the shrink launch (q/k/v, o)
-SUMMED_BASE_TILES = (512, 64)  # (input features, columns) per split-K base program; a multiple of SHRINK_BLOCK_K
+# narrower ones split them over K in the shrink launch (q/k/v, o, down)
+SUMMED_BASE_TILES = (1024, 64)  # (input features, columns) per split-K base program; a multiple of SHRINK_BLOCK_K
+# (benchmarks/NOTES.md, attempt 14)
 READ_BASE, GEMM_BASE, SUMMED_BASE = 0, 1, 2   # where the expand launch takes the base from
 
 

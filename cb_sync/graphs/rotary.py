@@ -1,0 +1,50 @@
+"""Rotary tables computed once per compiled step.
+
+A rotary embedding's cos/sin tables are cheap pointwise functions of the positions, so inductor inlines them into
+every consumer: each layer's query and key kernels would evaluate a sine and a cosine per element. Passed through
+an opaque op, the tables become buffers computed once per step and read by every layer
+(benchmarks/NOTES.md, attempt 14).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+@torch.library.custom_op("cb_sync::materialize", mutates_args=())
+def materialize(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a new tensor: a boundary torch.compile does not fuse across."""
+    return x.clone()
+
+
+@materialize.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _tables_materialized(forward):
+    def wrapped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if torch.compiler.is_compiling() and isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out):
+            return tuple(materialize(t) for t in out)
+        return out
+    return wrapped
+
+
+@contextmanager
+def rotary_tables_materialized(model: torch.nn.Module):
+    """Within the block, the model's rotary-embedding modules (transformers' `*RotaryEmbedding`) hand their tables
+    through `materialize` while torch.compile traces them; eager calls are unchanged."""
+    patched = [(m, m.__dict__.get("forward")) for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    for module, _ in patched:
+        module.forward = _tables_materialized(module.forward)
+    try:
+        yield
+    finally:
+        for module, previous in patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
