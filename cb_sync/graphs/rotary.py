@@ -8,9 +8,9 @@ an opaque op, the tables become buffers computed once per step and read by every
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
+
+from ..patching import forwards_swapped
 
 
 @torch.library.custom_op("cb_sync::materialize", mutates_args=())
@@ -33,18 +33,8 @@ def _tables_materialized(forward):
     return wrapped
 
 
-@contextmanager
 def rotary_tables_materialized(model: torch.nn.Module):
     """Within the block, the model's rotary-embedding modules (transformers' `*RotaryEmbedding`) hand their tables
     through `materialize` while torch.compile traces them; eager calls are unchanged."""
-    patched = [(m, m.__dict__.get("forward")) for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    for module, _ in patched:
-        module.forward = _tables_materialized(module.forward)
-    try:
-        yield
-    finally:
-        for module, previous in patched:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    return forwards_swapped(rotary, lambda module: _tables_materialized(module.forward))

@@ -15,9 +15,9 @@ decided inside the op, so torch.compile has no size to guard).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
+
+from ..patching import forwards_swapped
 
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
 KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within reach of the kernel's int32 offsets
@@ -163,20 +163,11 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
     return forward
 
 
-@contextmanager
 def lora_kernels(model: torch.nn.Module, enabled: bool = True):
     """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies."""
     named = _lora_linears(model) if enabled else []
     if named:
         from cb_sync.lora import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
-    patched = [(module, module.__dict__.get("forward")) for _, module in named]   # keep e.g. accelerate hooks
-    for (module, _), (group, index) in zip(patched, _shared_input_groups(named)):
-        module.forward = _kernel_forward(module, module.forward, group, index)
-    try:
-        yield
-    finally:
-        for module, previous in patched:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+    groups = {id(module): group for (_, module), group in zip(named, _shared_input_groups(named))}
+    return forwards_swapped([module for _, module in named],
+                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)]))

@@ -1,0 +1,25 @@
+"""Module forwards swapped for the length of a block, and put back also when it raises."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def forwards_swapped(modules: Iterable[torch.nn.Module], make_forward: Callable[[torch.nn.Module], Callable]):
+    """Within the block each module runs make_forward(module), which may wrap its current `module.forward`;
+    afterwards its own forward again (an instance-level forward already there, e.g. accelerate's hook, is kept)."""
+    patched = [(module, module.__dict__.get("forward")) for module in modules]
+    for module, _ in patched:
+        module.forward = make_forward(module)
+    try:
+        yield
+    finally:
+        for module, previous in patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
