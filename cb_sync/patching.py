@@ -12,10 +12,12 @@ import torch
 def forwards_swapped(modules: Iterable[torch.nn.Module], make_forward: Callable[[torch.nn.Module], Callable]):
     """Within the block each module runs make_forward(module), which may wrap its current `module.forward`;
     afterwards its own forward again (an instance-level forward already there, e.g. accelerate's hook, is kept)."""
-    patched = [(module, module.__dict__.get("forward")) for module in modules]
-    for module, _ in patched:
-        module.forward = make_forward(module)
+    patched = []
     try:
+        for module in modules:
+            previous = module.__dict__.get("forward")
+            module.forward = make_forward(module)
+            patched.append((module, previous))
         yield
     finally:
         for module, previous in patched:

@@ -358,7 +358,8 @@ def _cosine_kernel_calls(model, ids) -> int:
 
 def test_compiled_forward_computes_the_rotary_tables_once():
     """Inductor would evaluate cos/sin inside each layer's query and key kernels; with the tables materialized
-    one kernel computes them. Eager calls return the module's own tables, and the forward is restored."""
+    one kernel computes them. Eager calls return the module's own tables, nesting wraps once, and the forward is
+    restored."""
     from cb_sync.graphs.rotary import rotary_tables_materialized
     model = make_model("qwen3")
     rotary = model.model.rotary_emb
@@ -366,6 +367,9 @@ def test_compiled_forward_computes_the_rotary_tables_once():
     assert _cosine_kernel_calls(model, ids) >= model.config.num_hidden_layers
     with rotary_tables_materialized(model):
         assert _cosine_kernel_calls(model, ids) == 1
+        wrapped = rotary.forward
+        with rotary_tables_materialized(model):
+            assert rotary.forward is wrapped                # nested: not wrapped twice
         hidden, positions = torch.zeros(1, 5, model.config.hidden_size), torch.arange(5)[None]
         assert all(torch.equal(a, b) for a, b in zip(rotary(hidden, positions),
                                                      type(rotary).forward(rotary, hidden, positions)))

@@ -93,8 +93,8 @@ def test_state_restored_after_call_and_after_error():
 
 
 def test_generation_mode_restores_what_its_body_changes():
-    """Flags and the attention implementation come back as they were on entry, also where the body changed them
-    (a callback calling train(), another attention implementation) and raised."""
+    """Flags, the attention implementation and the rotary module's forward come back as they were on entry, also
+    where the body changed them (a callback calling train(), another attention implementation) and raised."""
     model = make_model("llama", lora=True)
     model.base_model.model.model.layers[0].train()
     flags = [m.training for m in model.modules()]
@@ -105,9 +105,11 @@ def test_generation_mode_restores_what_its_body_changes():
             assert not any(m.training for m in model.modules())
             model.train()
             base.set_attn_implementation("eager")
+            assert "forward" in base.model.rotary_emb.__dict__
             raise RuntimeError("boom")
         assert [m.training for m in model.modules()] == flags
         assert base.config._attn_implementation == entry_impl
+        assert "forward" not in base.model.rotary_emb.__dict__
 
 
 def test_in_place_weight_updates_are_seen():

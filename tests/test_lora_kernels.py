@@ -271,14 +271,17 @@ def test_group_kernel_matches_each_member_alone():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("base", ["gemm_in_expand", "split_k_in_shrink", "torch_for_long_inputs"])
+@pytest.mark.parametrize("base", ["gemm_in_expand", "split_k_in_shrink", "torch_for_long_inputs",
+                                  "torch_for_long_inputs_of_wide_groups"])
 def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy, monkeypatch):
     """lora_linear_group = nn.Linear's x W^T + b, then lora_add_group, for three members of different widths and
     ranks over two row tiles; the base GEMMs in the expand launch, over five K splits and several column tiles in
-    the shrink launch, or (inputs wider than FUSED_BASE_MAX_K) by torch."""
-    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if base == "gemm_in_expand" else 10**9)
+    the shrink launch, or (inputs wider than FUSED_BASE_MAX_K, or GEMM_BASE_MAX_K for wide groups) by torch."""
+    wide = base in ("gemm_in_expand", "torch_for_long_inputs_of_wide_groups")
+    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if wide else 10**9)
     monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (kernels.SHRINK_BLOCK_K, 32))
     monkeypatch.setattr(kernels, "FUSED_BASE_MAX_K", 599 if base == "torch_for_long_inputs" else 4096)
+    monkeypatch.setattr(kernels, "GEMM_BASE_MAX_K", 599 if base == "torch_for_long_inputs_of_wide_groups" else 4096)
     torch.manual_seed(1)
     x = torch.randn(19, 600, device=DEVICE)
     shapes = [(70, 8), (24, 4), (130, 16)]
@@ -291,7 +294,7 @@ def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy, monkeypatc
     bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * 3)]
     expected = kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings)
     modes = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.SUMMED_BASE,
-             "torch_for_long_inputs": kernels.READ_BASE}
+             "torch_for_long_inputs": kernels.READ_BASE, "torch_for_long_inputs_of_wide_groups": kernels.READ_BASE}
     assert spy.modes[0] == modes[base]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-5)

@@ -27,14 +27,16 @@ def _(x: torch.Tensor) -> torch.Tensor:
 def _tables_materialized(forward):
     def wrapped(*args, **kwargs):
         out = forward(*args, **kwargs)
-        if torch.compiler.is_compiling() and isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out):
+        if torch.compiler.is_compiling() and type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out):
             return tuple(materialize(t) for t in out)
         return out
+    wrapped.materializes_tables = True
     return wrapped
 
 
 def rotary_tables_materialized(model: torch.nn.Module):
     """Within the block, the model's rotary-embedding modules (transformers' `*RotaryEmbedding`) hand their tables
     through `materialize` while torch.compile traces them; eager calls are unchanged."""
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")
+              and not getattr(m.forward, "materializes_tables", False)]      # not twice when nested
     return forwards_swapped(rotary, lambda module: _tables_materialized(module.forward))

@@ -9,8 +9,8 @@ non-Linear base layers, eager steps of HOST_BOUND_ROWS rows, and steps too large
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
 computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
 returns its output instead of computing it. For plain nn.Linear base layers the kernel also computes the base
-GEMMs where it is faster (up to `kernels.FUSED_BASE_MAX_ROWS` rows and `kernels.FUSED_BASE_MAX_K` input features;
-decided inside the op, so torch.compile has no size to guard).
+GEMMs where it is faster (up to `kernels.FUSED_BASE_MAX_ROWS` rows and `kernels.FUSED_BASE_MAX_K` or
+`kernels.GEMM_BASE_MAX_K` input features; decided inside the op, so torch.compile has no size to guard).
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ LARGE_BLOCK_M = 64
 FUSED_BASE_MAX_ROWS = 32   # `lora_linear_group` computes the base GEMMs in its own launches up to this many rows
 FUSED_BASE_MAX_K = 9728    # and input features, where they measured faster than cuBLAS (benchmarks/NOTES.md,
 # attempts 9, 10 and 14: the 4B shape's down projection, 9,728 features, is the widest measured)
+GEMM_BASE_MAX_K = 4096     # the same bound for groups whose base GEMMs run over all of K in the expand launch
+# (GEMM_BASE, below): measured up to 4,096 features only
 GEMM_BASE_MIN_COLUMNS = 8192   # groups this wide compute the base GEMMs in the expand launch (gate/up);
 # narrower ones split them over K in the shrink launch (q/k/v, o, down)
 SUMMED_BASE_TILES = (1024, 64)  # (input features, columns) per split-K base program; a multiple of SHRINK_BLOCK_K
@@ -352,17 +354,20 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
                       compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded
     to the weights' dtype (x's), as nn.Linear gives them. Up to FUSED_BASE_MAX_ROWS rows and FUSED_BASE_MAX_K input
-    features the kernel computes them (two launches for the whole group, base GEMMs included); beyond, torch does."""
+    features (GEMM_BASE_MAX_K for groups of GEMM_BASE_MIN_COLUMNS outputs) the kernel computes them (two launches for
+    the whole group, base GEMMs included); beyond, or for weights past the kernels' int32 offsets, torch does."""
     _check_group(x, [weights, lora_as, lora_bs, scalings], None, SHRINK_BLOCK_K, lora_as + weights,
                  [w.shape[0] for w in weights])
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
-    if x.shape[0] > FUSED_BASE_MAX_ROWS or x.shape[1] > FUSED_BASE_MAX_K:
+    mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= GEMM_BASE_MIN_COLUMNS else SUMMED_BASE
+    max_k = GEMM_BASE_MAX_K if mode == GEMM_BASE else FUSED_BASE_MAX_K
+    if (x.shape[0] > FUSED_BASE_MAX_ROWS or x.shape[1] > max_k
+            or any(w.numel() > torch.iinfo(torch.int32).max for w in weights)):
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
         return lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype)
     weights, biases = [w.contiguous() for w in weights], [b.contiguous() for b in biases] or None
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
-    mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= GEMM_BASE_MIN_COLUMNS else SUMMED_BASE
     return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, None,
                        SHRINK_BLOCK_K, mode)
 
