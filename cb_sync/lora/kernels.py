@@ -44,6 +44,7 @@ GEMM_BASE_MIN_COLUMNS = 8192   # groups this wide compute the base GEMMs in the 
 SUMMED_BASE_TILES = (1024, 64)  # (input features, columns) per split-K base program; a multiple of SHRINK_BLOCK_K
 # (benchmarks/NOTES.md, attempt 14)
 READ_BASE, GEMM_BASE, SUMMED_BASE = 0, 1, 2   # where the expand launch takes the base from
+MAX_OFFSET = torch.iinfo(torch.int32).max   # elements of one operand within reach of the kernels' int32 offsets
 
 
 def _fused_tiles(rows: int) -> tuple[int, int, int]:
@@ -266,7 +267,7 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int | None, bloc
     if any(width != x.shape[1] for width in widths):
         raise ValueError(f"every A (and weight) must read x's {x.shape[1]} input features, got {widths}")
     columns = max([x.shape[1], *out_widths])
-    if x.shape[0] * columns > torch.iinfo(torch.int32).max:
+    if x.shape[0] * columns > MAX_OFFSET:
         raise ValueError(f"{x.shape[0]} rows x {columns} features exceed the kernels' int32 offsets")
 
 
@@ -363,7 +364,7 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= GEMM_BASE_MIN_COLUMNS else SUMMED_BASE
     max_k = GEMM_BASE_MAX_K if mode == GEMM_BASE else FUSED_BASE_MAX_K
     if (x.shape[0] > FUSED_BASE_MAX_ROWS or x.shape[1] > max_k
-            or any(w.numel() > torch.iinfo(torch.int32).max for w in weights)):
+            or any(w.numel() > MAX_OFFSET for w in weights)):
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
         return lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype)
     weights, biases = [w.contiguous() for w in weights], [b.contiguous() for b in biases] or None
