@@ -35,18 +35,19 @@ def generation_mode(model: torch.nn.Module):
     step (`graphs.rotary`); restore every module's training flag, the attention implementation and the rotary
     modules afterwards, also when the body raises."""
     base = base_model(model)
-    training = {id(module) for module in model.modules() if module.training}
+    modules = list(model.modules())       # one walk (~2 ms for a PEFT-wrapped 36-layer model), used three times
+    training = {id(module) for module in modules if module.training}
     previous = base.config._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
         if training:
             model.eval()
-        with torch.inference_mode(), rotary_tables_materialized(model):
+        with torch.inference_mode(), rotary_tables_materialized(modules):
             yield
     finally:
         if base.config._attn_implementation != previous:
             base.set_attn_implementation(previous)
-        for module in model.modules():        # one walk; a flag is written only where it differs (a costly setattr)
+        for module in modules:                # a flag is written only where it differs (a costly setattr)
             if module.training != (id(module) in training):
                 module.training = id(module) in training

@@ -365,10 +365,10 @@ def test_compiled_forward_computes_the_rotary_tables_once():
     rotary = model.model.rotary_emb
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     assert _cosine_kernel_calls(model, ids) >= model.config.num_hidden_layers
-    with rotary_tables_materialized(model):
+    with rotary_tables_materialized(model.modules()):
         assert _cosine_kernel_calls(model, ids) == 1
         wrapped = rotary.forward
-        with rotary_tables_materialized(model):
+        with rotary_tables_materialized(model.modules()):
             assert rotary.forward is wrapped                # nested: not wrapped twice
         hidden, positions = torch.zeros(1, 5, model.config.hidden_size), torch.arange(5)[None]
         assert all(torch.equal(a, b) for a, b in zip(rotary(hidden, positions),

@@ -141,8 +141,10 @@ def test_sliding_window_and_softcap(sliding_window, softcap, decode, small_parti
     check(make_batch(q_lens, seq_lens, 8, 2), sliding_window=sliding_window, softcap=softcap)
 
 
-def test_store_then_attend_matches_reference(small_partitions):
-    """A prompt prefilled in two chunks, then two decode steps, through store_kv + paged_attention."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_store_then_attend_matches_reference(fused, small_partitions):
+    """A prompt prefilled in two chunks, then two decode steps, through store_kv + paged_attention, or with the
+    step's K/V handed to paged_attention (stored inside the decode kernel)."""
     torch.manual_seed(6)
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 8
     steps = [(12, 12), (9, 21), (1, 22), (1, 23)]   # (new tokens, context length after them)
@@ -156,41 +158,68 @@ def test_store_then_attend_matches_reference(small_partitions):
         query = torch.randn(q_len, num_heads, head_dim, device=DEVICE)
         meta = (block_table, torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
                 torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE))
-        triton_kernels.store_kv(key, value, *caches, slots)
+        if not fused:
+            triton_kernels.store_kv(key, value, *caches, slots)
         sdpa_paged.store_kv(key, value, *ref_caches, slots)
-        out = triton_kernels.paged_attention(query, *caches, *meta, head_dim ** -0.5)
+        out = triton_kernels.paged_attention(query, *caches, *meta, head_dim ** -0.5,
+                                             new_kv=(key, value, slots) if fused else None)
         ref = sdpa_paged.paged_attention(query, *ref_caches, *meta, q_len, seq_len, head_dim ** -0.5)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
-def test_custom_ops_match_and_fake_shapes():
+@pytest.mark.parametrize("heads", GQA)
+def test_decode_stores_each_request_kv_then_attends(heads, small_partitions):
+    """Decode with the step's K/V stored by the kernel: each request's new key at its own next position (a padded
+    row and a skipped slot store nothing), contexts over one to five partitions; run twice, so the arrival counters
+    must have been left at zero by the first launch."""
+    torch.manual_seed(13)
+    seq_lens = [150, 1, 0, 33, 97, 64]
+    batch = make_batch([1] * len(seq_lens), seq_lens, *heads, 64)
+    num_kv_heads = heads[1]
+    tables, block_size = batch["block_tables"].long(), batch["k_cache"].shape[1]
+    positions = (torch.tensor(seq_lens, device=DEVICE) - 1).clamp(min=0)
+    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    slots[[2, 4]] = -1                                              # the padded row; a row that keeps its cache
+    key, value = (torch.randn(len(seq_lens), num_kv_heads, 64, device=DEVICE) for _ in range(2))
+    ref_caches = [batch["k_cache"].clone(), batch["v_cache"].clone()]
+    sdpa_paged.store_kv(key, value, *ref_caches, slots)
+    ref = reference({**batch, "k_cache": ref_caches[0], "v_cache": ref_caches[1]})
+    for _ in range(2):
+        out = triton_kernels.paged_attention(**batch, new_kv=(key, value, slots))
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(batch["k_cache"], ref_caches[0]) and torch.equal(batch["v_cache"], ref_caches[1])
+    assert (out[2] == 0).all()
+
+
+def test_custom_op_matches_and_fake_shapes():
     torch.manual_seed(7)
     batch = make_batch([3, 1], [10, 4])
-    torch.testing.assert_close(torch.ops.cb_sync.paged_attention(**batch),
-                               triton_kernels.paged_attention(**batch), atol=0, rtol=0)
     key, value = (torch.randn(4, 2, 64, device=DEVICE) for _ in range(2))
-    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
     slots = torch.tensor([3, -1, 17, 0], device=DEVICE)
-    torch.ops.cb_sync.store_kv(key, value, k_cache, v_cache, slots)
+    expected = triton_kernels.paged_attention(**{**batch, "k_cache": batch["k_cache"].clone(),
+                                                 "v_cache": batch["v_cache"].clone()}, new_kv=(key, value, slots))
+    args = (batch["query"], key, value, batch["k_cache"].clone(), batch["v_cache"].clone(), slots,
+            batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], batch["scale"])
+    torch.testing.assert_close(torch.ops.cb_sync.store_and_attend(*args), expected, atol=0, rtol=0)
     sdpa_paged.store_kv(key, value, batch["k_cache"], batch["v_cache"], slots)
-    assert torch.equal(k_cache, batch["k_cache"]) and torch.equal(v_cache, batch["v_cache"])
+    assert torch.equal(args[3], batch["k_cache"]) and torch.equal(args[4], batch["v_cache"])
 
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
-        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        out = torch.ops.cb_sync.paged_attention(**fake, sliding_window=4, softcap=3.0)
-        torch.ops.cb_sync.store_kv(mode.from_tensor(key), mode.from_tensor(value), fake["k_cache"],
-                                   fake["v_cache"], mode.from_tensor(slots))
+        out = torch.ops.cb_sync.store_and_attend(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                   for a in args], sliding_window=4, softcap=3.0)
     assert out.shape == batch["query"].shape and out.dtype == batch["query"].dtype and out.is_contiguous()
 
 
 def test_opcheck():
     torch.manual_seed(8)
     batch = make_batch([2, 1], [5, 3], 4, 2, head_dim=16, block_size=8)
-    torch.library.opcheck(triton_ops.paged_attention, tuple(batch.values()))
     key, value = (torch.randn(3, 2, 16, device=DEVICE) for _ in range(2))
     slots = torch.tensor([1, -1, 9], device=DEVICE)
-    torch.library.opcheck(triton_ops.store_kv, (key, value, batch["k_cache"], batch["v_cache"], slots))
+    torch.library.opcheck(triton_ops.store_and_attend_op, (
+        batch["query"], key, value, batch["k_cache"], batch["v_cache"], slots, batch["block_tables"],
+        batch["seq_lens"], batch["query_start_loc"], batch["scale"]))
 
 
 def rel_error(out, ref):
@@ -233,19 +262,23 @@ def test_gpu_prefill_bf16():
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_decode_cuda_graph_replay():
-    """store_kv + decode captured once, replayed after seq_lens / block_tables / inputs change in place."""
+    """The op (K/V store + decode in one kernel) captured once, replayed after seq_lens / block_tables / inputs /
+    slots change in place: outputs and caches equal to running it directly."""
     torch.manual_seed(12)
     num_reqs, max_blocks = 16, 128
     batch = make_batch([1] * num_reqs, torch.randint(1, 1000, (num_reqs,)).tolist(), 32, 8, 128,
                        dtype=torch.bfloat16, spare_blocks=max_blocks)
     batch["block_tables"] = batch["block_tables"][:, :max_blocks].contiguous()
     num_blocks = batch["k_cache"].shape[0]
+    for name in ("k_cache", "v_cache"):      # one block per request past the tables' blocks, for its slots
+        batch[name] = torch.cat([batch[name], torch.randn_like(batch[name][:num_reqs])])
     key, value = (torch.randn(num_reqs, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     slots = torch.full((num_reqs,), -1, dtype=torch.long, device="cuda")
 
     def step():
-        triton_ops.store_kv(key, value, batch["k_cache"], batch["v_cache"], slots)
-        return triton_ops.paged_attention(**batch)
+        return triton_ops.store_and_attend_op(batch["query"], key, value, batch["k_cache"], batch["v_cache"], slots,
+                                              batch["block_tables"], batch["seq_lens"], batch["query_start_loc"],
+                                              batch["scale"])
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -264,7 +297,8 @@ def test_gpu_decode_cuda_graph_replay():
         batch["query"].copy_(torch.randn_like(batch["query"]))
         key.copy_(torch.randn_like(key))
         value.copy_(torch.randn_like(value))
-        slots.copy_(torch.randperm(num_blocks * 16, device="cuda")[:num_reqs])
+        slots.copy_((num_blocks + torch.arange(num_reqs, device="cuda")) * 16 + torch.randint(0, 16, (num_reqs,),
+                                                                                              device="cuda"))
         slots[trial] = -1
         caches = batch["k_cache"].clone(), batch["v_cache"].clone()
         graph.replay()

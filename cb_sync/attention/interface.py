@@ -30,10 +30,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                   "attention does not implement")
     layer = module.layer_idx
     k_cache, v_cache = cb_meta.k_caches[layer], cb_meta.v_caches[layer]
-    backend = cb_meta.backend
-    backend.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, cb_meta.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = backend.attend(query[0].transpose(0, 1), k_cache, v_cache, cb_meta, scale, sliding_window, softcap)
+    out = cb_meta.backend.store_and_attend(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                           k_cache, v_cache, cb_meta, scale, sliding_window, softcap)
     return out.unsqueeze(0), None
 
 

@@ -20,7 +20,7 @@ class AttnMetadata:
     max_query_len, max_seq_len: host-side bounds of the above (upper bounds suffice; the Triton backend reads
         none, so a compiled step does not guard on them).
     k_caches, v_caches: per layer, [num_blocks, block_size, num_kv_heads, head_dim].
-    backend: module providing store_kv() and attend() (see attention/sdpa_paged.py).
+    backend: module providing store_and_attend() (see attention/sdpa_paged.py).
     """
 
     slot_mapping: torch.Tensor

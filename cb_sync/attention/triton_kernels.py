@@ -76,17 +76,22 @@ def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
 
 
 @triton.jit
-def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                           m_ptr, l_ptr, acc_ptr,
-                           stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
-                           num_heads, num_partitions, scale, softcap, window, group, block_size, head_dim,
-                           PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                           HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (partition, request, kv head): attention of the request's one query, all heads of the group,
-    over keys [partition * PARTITION, +PARTITION); writes unnormalised partials (m in log2 units, l, acc).
+def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
+                   query_start_loc_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr,
+                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                   stride_ot, stride_oh, stride_od, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+                   num_heads, num_kv_heads, num_partitions, scale, softcap, window, group, block_size, head_dim,
+                   PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, STORE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (partition, request, kv head): attention of the request's one query, all heads of the group, over
+    keys [partition * PARTITION, +PARTITION). With STORE, the partition that holds the query's position first writes
+    the step's key and value into the cache (slots < 0 are skipped). With one partition the program writes the
+    output; with several it writes unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the
+    request's last partition to arrive combines them all in partition order and writes the output.
 
-    Partitions at or past seq_len write nothing: the reduce kernel reads only the ones below it.
+    Partitions at or past seq_len neither store nor arrive: the request's first cdiv(seq_len, PARTITION) do
+    (a padded row, seq_len 0, gets zeros from its first partition).
     """
     part = tl.program_id(0)
     req = tl.program_id(1)
@@ -94,15 +99,29 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, se
     seq_len = tl.load(seq_lens_ptr + req)
     q_tok = tl.load(query_start_loc_ptr + req)
     part_start = part * PARTITION
-    if part_start >= seq_len:
-        return
-
     rows = tl.arange(0, BLOCK_M)
     g = rows % BLOCK_G
     row_valid = (rows < BLOCK_G) & (g < group)
     heads = kv_head * group + g
     d = tl.arange(0, BLOCK_D)
     q_mask = row_valid[:, None] & (d[None, :] < head_dim)
+    out_offs = q_tok * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
+    if part_start >= seq_len:
+        if part == 0:                                           # a padded row (seq_len 0): zeros
+            tl.store(out_ptr + out_offs, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=q_mask)
+        return
+    if STORE:
+        if part == (seq_len - 1) // PARTITION:
+            slot = tl.load(slot_ptr + q_tok)
+            if slot >= 0:
+                dst = ((slot // block_size) * stride_cb + (slot % block_size) * stride_cs + kv_head * stride_ch
+                       + d * stride_cd)
+                k = tl.load(key_ptr + q_tok * stride_kt + kv_head * stride_kh + d * stride_kd, mask=d < head_dim)
+                v = tl.load(value_ptr + q_tok * stride_vt + kv_head * stride_vh + d * stride_vd, mask=d < head_dim)
+                tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=d < head_dim)
+                tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=d < head_dim)
+            tl.debug_barrier()          # the program's own tile loads below read them
+
     q = tl.load(q_ptr + q_tok * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask, other=0.0)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
 
@@ -120,34 +139,43 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, se
                                      stride_cb, stride_cs, stride_ch, stride_cd,
                                      BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
 
-    part_idx = (req * num_heads + heads) * num_partitions + part
-    tl.store(m_ptr + part_idx, m_i, mask=row_valid)
-    tl.store(l_ptr + part_idx, l_i, mask=row_valid)
-    tl.store(acc_ptr + part_idx[:, None] * head_dim + d[None, :], acc, mask=q_mask)
+    if BLOCK_P == 1:
+        tl.store(out_ptr + out_offs, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=q_mask)
+    else:
+        part_idx = (req * num_heads + heads) * num_partitions + part
+        tl.store(m_ptr + part_idx, m_i, mask=row_valid)
+        tl.store(l_ptr + part_idx, l_i, mask=row_valid)
+        tl.store(acc_ptr + part_idx[:, None] * head_dim + d[None, :], acc, mask=q_mask)
+        tl.debug_barrier()                                      # every thread's partials before the arrival
+        counter = arrivals_ptr + req * num_kv_heads + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.cdiv(seq_len, PARTITION) - 1:
+            tl.atomic_xchg(counter, 0)                          # zero again for the next launch
+            _combine_partitions(out_ptr + out_offs, m_ptr, l_ptr, acc_ptr, (req * num_heads + heads) * num_partitions,
+                                tl.cdiv(seq_len, PARTITION), q_mask, row_valid, d, head_dim, BLOCK_M, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
-def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, seq_lens_ptr, query_start_loc_ptr,
-                          stride_ot, stride_oh, stride_od, num_heads, num_partitions, head_dim,
-                          PARTITION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (request, query head): combine the partials of the partitions below seq_len."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    q_tok = tl.load(query_start_loc_ptr + req)
-    seq_len = tl.load(seq_lens_ptr + req)
-    p = tl.arange(0, BLOCK_P)
-    p_valid = p < tl.cdiv(seq_len, PARTITION)
-    part_idx = (req * num_heads + head) * num_partitions + p
-    m = tl.load(m_ptr + part_idx, mask=p_valid, other=-1.0e30)
-    l = tl.load(l_ptr + part_idx, mask=p_valid, other=0.0)
-    w = tl.where(p_valid, tl.exp2(m - tl.max(m, 0)), 0.0)
-    total = tl.sum(w * l, 0)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < head_dim
-    acc = tl.load(acc_ptr + part_idx[:, None] * head_dim + d[None, :], mask=p_valid[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)   # seq_len 0 -> zeros
-    tl.store(out_ptr + q_tok * stride_ot + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+def _combine_partitions(out_ptrs, m_ptr, l_ptr, acc_ptr, first_idx, used, q_mask, row_valid, d, head_dim,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Write sum_p w_p acc_p / sum_p w_p l_p over the first `used` partitions (w_p = 2^(m_p - max m)), in
+    partition order. Partials are read from L2 (".cg"): other programs wrote them."""
+    zero = tl.zeros([BLOCK_M], dtype=tl.int32)        # (a partition index as a vector: mask of row x partition)
+    m_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    for p in tl.static_range(BLOCK_P):
+        valid = row_valid & (zero + p < used)
+        m_max = tl.maximum(m_max, tl.load(m_ptr + first_idx + p, mask=valid, other=-1.0e30, cache_modifier=".cg"))
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for p in tl.static_range(BLOCK_P):
+        valid = row_valid & (zero + p < used)
+        w = tl.where(valid, tl.exp2(tl.load(m_ptr + first_idx + p, mask=valid, other=-1.0e30, cache_modifier=".cg")
+                                    - m_max), 0.0)
+        total += w * tl.load(l_ptr + first_idx + p, mask=valid, other=0.0, cache_modifier=".cg")
+        out += w[:, None] * tl.load(acc_ptr + (first_idx + p)[:, None] * head_dim + d[None, :],
+                                    mask=valid[:, None] & q_mask, other=0.0, cache_modifier=".cg")
+    out = out / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])     # no second variant for request counts divisible by 16
@@ -227,8 +255,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
+    new_kv: (key, value [T, Hkv, D], slot_mapping [T]) stored into the caches first, as `store_kv` does; when every
+    request brings one query, by the decode kernel itself, so a slot must be read by no other request of the batch
+    (each request stores its own next position, in a block of its own), and padded rows store nothing.
 
     Precondition: every request brings at least one query (a padded row: one query, seq_len 0); it is not
     checked (that would synchronise). One query per request (T == R) takes the split-K decode path, otherwise the
@@ -250,13 +282,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                   PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     args = (query, k_cache, v_cache)
     if num_tokens == num_reqs:
-        _decode(out, *args, block_tables, seq_lens, query_start_loc, common)
-    else:
-        block_m = max(PREFILL_BLOCK_M, common["BLOCK_G"])
-        grid = (num_tokens // (block_m // common["BLOCK_G"]) + num_reqs, num_kv_heads)
-        _prefill_kernel[grid](*args, out, block_tables, seq_lens, query_start_loc, *query.stride(), *out.stride(),
-                              *k_cache.stride(), block_tables.stride(0), num_reqs, BLOCK_M=block_m,
-                              BLOCK_N=PREFILL_BLOCK_N, num_warps=4, **common)
+        _decode(out, *args, block_tables, seq_lens, query_start_loc, new_kv, common)
+        return out
+    if new_kv is not None:
+        store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2])
+    block_m = max(PREFILL_BLOCK_M, common["BLOCK_G"])
+    grid = (num_tokens // (block_m // common["BLOCK_G"]) + num_reqs, num_kv_heads)
+    _prefill_kernel[grid](*args, out, block_tables, seq_lens, query_start_loc, *query.stride(), *out.stride(),
+                          *k_cache.stride(), block_tables.stride(0), num_reqs, BLOCK_M=block_m,
+                          BLOCK_N=PREFILL_BLOCK_N, num_warps=4, **common)
     return out
 
 
@@ -272,21 +306,34 @@ def decode_partition(max_context: int, num_programs: int, device: torch.device) 
     return max(PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, wanted)))
 
 
-def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, common):
-    """Split-K decode: partial attention per (partition, request, kv head), then a reduce per (request, head)."""
-    num_reqs = seq_lens.shape[0]
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, at least `count`, that the decode kernel leaves zeroed. Every buffer handed out stays
+    allocated: a captured graph keeps its address."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        buffers.append(torch.zeros(max(count, 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, new_kv, common):
+    """Split-K decode in one launch: attention per (partition, request, kv head), the last partition of a request
+    to finish combining them (the step's K/V stored first, by the partition that holds its position)."""
+    num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_heads, head_dim = query.shape[1:]
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    partition = decode_partition(max_context, num_reqs * k_cache.shape[2], query.device)
+    partition = decode_partition(max_context, num_reqs * num_kv_heads, query.device)
     num_partitions = triton.cdiv(max_context, partition)
     m = query.new_empty((num_reqs, num_heads, num_partitions), dtype=torch.float32)
     l = torch.empty_like(m)
     acc = query.new_empty((num_reqs, num_heads, num_partitions, head_dim), dtype=torch.float32)
-    _decode_partial_kernel[(num_partitions, num_reqs, k_cache.shape[2])](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, m, l, acc,
-        *query.stride(), *k_cache.stride(), block_tables.stride(0), num_heads, num_partitions,
-        PARTITION=partition, BLOCK_M=max(16, common["BLOCK_G"]), BLOCK_N=min(DECODE_BLOCK_N, partition),
-        num_warps=4, **common)
-    _decode_reduce_kernel[(num_reqs, num_heads)](
-        out, m, l, acc, seq_lens, query_start_loc, *out.stride(), num_heads, num_partitions, head_dim,
-        PARTITION=partition, BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=common["BLOCK_D"], num_warps=4)
+    arrivals = _arrival_counters(query.device, num_reqs * num_kv_heads)
+    key, value, slots = new_kv if new_kv is not None else (query, query, seq_lens)   # unread without a store
+    _decode_kernel[(num_partitions, num_reqs, num_kv_heads)](
+        query, key, value, k_cache, v_cache, slots, block_tables, seq_lens, query_start_loc, out, m, l, acc, arrivals,
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        num_heads, num_kv_heads, num_partitions, PARTITION=partition, BLOCK_M=max(16, common["BLOCK_G"]),
+        BLOCK_N=min(DECODE_BLOCK_N, partition), BLOCK_P=triton.next_power_of_2(num_partitions),
+        STORE=new_kv is not None, num_warps=4, **common)

@@ -36,13 +36,12 @@ def sampling_mode(batch_params) -> int:
 
 def model_fingerprint(model: torch.nn.Module) -> tuple:
     """Everything a captured graph bakes in about the model: parameter storages and dtypes, adapter state."""
-    params, adapters = [], []
-    for name, m in model.named_modules():     # one walk over the modules (it is most of the cost)
-        params += [(p.data_ptr(), p.dtype) for p in m.parameters(recurse=False)]
-        if hasattr(type(m), "merged_adapters"):     # PEFT's tuner layers (a class attribute: no __getattr__ miss)
-            adapters.append((name, repr(getattr(m, "active_adapters", None)), repr(m.merged_adapters),
-                             getattr(m, "disable_adapters", None)))
-    return tuple(params), tuple(adapters)
+    params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+    tuners = [(name, m) for name, m in model.named_modules()
+              if hasattr(type(m), "merged_adapters")]     # PEFT's tuner layers (a class attribute: no __getattr__ miss)
+    adapters = tuple((name, repr(getattr(m, "active_adapters", None)), repr(m.merged_adapters),
+                      getattr(m, "disable_adapters", None)) for name, m in tuners)
+    return params, adapters
 
 
 def model_logits(model, inputs: dict, positions, meta, keep: torch.Tensor):

@@ -34,9 +34,9 @@ def _tables_materialized(forward):
     return wrapped
 
 
-def rotary_tables_materialized(model: torch.nn.Module):
-    """Within the block, the model's rotary-embedding modules (transformers' `*RotaryEmbedding`) hand their tables
-    through `materialize` while torch.compile traces them; eager calls are unchanged."""
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")
+def rotary_tables_materialized(modules):
+    """Within the block, the rotary-embedding modules (transformers' `*RotaryEmbedding`) among `modules` (a model's
+    modules) hand their tables through `materialize` while torch.compile traces them; eager calls are unchanged."""
+    rotary = [m for m in modules if type(m).__name__.endswith("RotaryEmbedding")
               and not getattr(m.forward, "materializes_tables", False)]      # not twice when nested
     return forwards_swapped(rotary, lambda module: _tables_materialized(module.forward))
