@@ -1,4 +1,5 @@
-"""Triton paged attention: KV-cache store, split-K decode and varlen prefill over a paged KV cache.
+"""Triton paged attention: KV-cache store, split-K decode in one launch (the step's K/V stored, partitions attended
+and combined by the last one to finish) and varlen prefill over a paged KV cache.
 
 Same contract as `sdpa_paged`, without its host-side bounds, for batches where every request brings at least one
 query (the decode kernels serve batches of one query per request, told apart by shape). The query heads that
@@ -160,7 +161,7 @@ def _combine_partitions(out_ptrs, m_ptr, l_ptr, acc_ptr, first_idx, used, q_mask
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
     """Write sum_p w_p acc_p / sum_p w_p l_p over the first `used` partitions (w_p = 2^(m_p - max m)), in
     partition order. Partials are read from L2 (".cg"): other programs wrote them."""
-    zero = tl.zeros([BLOCK_M], dtype=tl.int32)        # (a partition index as a vector: mask of row x partition)
+    zero = tl.zeros([BLOCK_M], dtype=tl.int32)        # partition index + zero: a vector, for the masks
     m_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     for p in tl.static_range(BLOCK_P):
         valid = row_valid & (zero + p < used)
