@@ -192,6 +192,14 @@ def test_decode_stores_each_request_kv_then_attends(heads, small_partitions):
     assert (out[2] == 0).all()
 
 
+def test_arrival_counters_are_not_allocated_during_graph_capture(monkeypatch):
+    """A capture would record the counters' zeroing instead of running it: a clear error instead."""
+    monkeypatch.setattr(triton_kernels, "_ARRIVALS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before CUDA-graph capture"):
+        triton_kernels._arrival_counters(torch.device("cuda", 0), 8)
+
+
 def test_custom_op_matches_and_fake_shapes():
     torch.manual_seed(7)
     batch = make_batch([3, 1], [10, 4])

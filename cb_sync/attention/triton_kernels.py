@@ -150,10 +150,11 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
         tl.store(acc_ptr + part_idx[:, None] * head_dim + d[None, :], acc, mask=q_mask)
         tl.debug_barrier()                                      # every thread's partials before the arrival
         counter = arrivals_ptr + req * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.cdiv(seq_len, PARTITION) - 1:
+        used = tl.minimum(tl.cdiv(seq_len, PARTITION), num_partitions)   # the partitions that exist
+        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
             tl.atomic_xchg(counter, 0)                          # zero again for the next launch
             _combine_partitions(out_ptr + out_offs, m_ptr, l_ptr, acc_ptr, (req * num_heads + heads) * num_partitions,
-                                tl.cdiv(seq_len, PARTITION), q_mask, row_valid, d, head_dim, BLOCK_M, BLOCK_D, BLOCK_P)
+                                used, q_mask, row_valid, d, head_dim, BLOCK_M, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
@@ -260,8 +261,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
     new_kv: (key, value [T, Hkv, D], slot_mapping [T]) stored into the caches first, as `store_kv` does; when every
-    request brings one query, by the decode kernel itself, so a slot must be read by no other request of the batch
-    (each request stores its own next position, in a block of its own), and padded rows store nothing.
+    request brings one query, by the decode kernel itself: then each slot must be its request's own position
+    seq_len - 1 (a block no other request of the batch reads), and padded rows (seq_len 0) store nothing.
 
     Precondition: every request brings at least one query (a padded row: one query, seq_len 0); it is not
     checked (that would synchronise). One query per request (T == R) takes the split-K decode path, otherwise the
@@ -312,9 +313,14 @@ _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """Zeroed int32 counters, at least `count`, that the decode kernel leaves zeroed. Every buffer handed out stays
-    allocated: a captured graph keeps its address."""
+    allocated: a captured graph keeps its address. One buffer serves every decode launch on the device, so launches
+    on the device must not run concurrently (on two streams at once); a driver's steps run on one stream."""
     buffers = _ARRIVALS.setdefault(device, [])
     if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode kernel's arrival counters must be allocated before CUDA-graph capture "
+                               "(a capture would record their zeroing, not run it): run a decode step of this "
+                               "size uncaptured first")
         buffers.append(torch.zeros(max(count, 1024), dtype=torch.int32, device=device))
     return buffers[-1]
 

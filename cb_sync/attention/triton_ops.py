@@ -20,7 +20,8 @@ def store_and_attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Write key/value [T, Hkv, D] into the caches at slot_mapping [T] (slots < 0 are skipped), then causal paged
-    attention of query [T, Hq, D]; see `triton_kernels.paged_attention`."""
+    attention of query [T, Hq, D]; see `triton_kernels.paged_attention` (in a decode batch, one query per request,
+    each slot must be its request's own position seq_len - 1, and padded rows store nothing)."""
     return triton_kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                           sliding_window, softcap, new_kv=(key, value, slot_mapping))
 
