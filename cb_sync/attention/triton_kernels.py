@@ -24,6 +24,19 @@ PREFILL_BLOCK_N = 64   # keys per tile in the prefill path
 
 
 @triton.jit
+def _store_kv_row(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, tok, head, slot, d,
+                  stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                  stride_cb, stride_cs, stride_ch, stride_cd, block_size, head_dim):
+    """Copy token tok's key and value rows of one kv head (features d) into cache slot `slot`."""
+    mask = d < head_dim
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + d * stride_cd
+    k = tl.load(key_ptr + tok * stride_kt + head * stride_kh + d * stride_kd, mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + head * stride_vh + d * stride_vd, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                      stride_cb, stride_cs, stride_ch, stride_cd,
@@ -32,15 +45,10 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok)
-    if slot < 0:
-        return
-    d = tl.arange(0, BLOCK_D)
-    mask = d < head_dim
-    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + d * stride_cd
-    k = tl.load(key_ptr + tok * stride_kt + head * stride_kh + d * stride_kd, mask=mask)
-    v = tl.load(value_ptr + tok * stride_vt + head * stride_vh + d * stride_vd, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if slot >= 0:
+        _store_kv_row(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, tok, head, slot, tl.arange(0, BLOCK_D),
+                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                      stride_cb, stride_cs, stride_ch, stride_cd, block_size, head_dim)
 
 
 @triton.jit
@@ -115,12 +123,9 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
         if part == (seq_len - 1) // PARTITION:
             slot = tl.load(slot_ptr + q_tok)
             if slot >= 0:
-                dst = ((slot // block_size) * stride_cb + (slot % block_size) * stride_cs + kv_head * stride_ch
-                       + d * stride_cd)
-                k = tl.load(key_ptr + q_tok * stride_kt + kv_head * stride_kh + d * stride_kd, mask=d < head_dim)
-                v = tl.load(value_ptr + q_tok * stride_vt + kv_head * stride_vh + d * stride_vd, mask=d < head_dim)
-                tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=d < head_dim)
-                tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=d < head_dim)
+                _store_kv_row(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, q_tok, kv_head, slot, d,
+                              stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                              stride_cb, stride_cs, stride_ch, stride_cd, block_size, head_dim)
             tl.debug_barrier()          # the program's own tile loads below read them
 
     q = tl.load(q_ptr + q_tok * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask, other=0.0)
