@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import subprocess
 from pathlib import Path
 
 import torch
@@ -49,6 +50,17 @@ def build_model(lora: bool, tiny: bool = False, device: str = "cuda", dtype=torc
 def floor_seconds_per_step(batch: int, context: int, lora: bool) -> float:
     """Bandwidth floor of one decode step: weights (+ adapter) + the batch's KV read once."""
     return (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + KV_BYTES_PER_TOKEN * batch * context) / COPY_BANDWIDTH
+
+
+def gpu_state() -> dict:
+    """The card's temperature (C), SM clock (MHz) and power draw (W) now, from nvidia-smi; {} where it is absent."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=temperature.gpu,clocks.sm,power.draw",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+        temperature, clock, power = (float(value) for value in out.splitlines()[0].split(","))
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return {}
+    return {"gpu_c": temperature, "sm_mhz": clock, "gpu_w": power}
 
 
 def environment() -> dict:

@@ -18,7 +18,7 @@ case "$stage" in
     timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_lora_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
   throughput)
     name=${name:-throughput}     # only this run's files come back (a transfer holds a handful of files)
-    timeout 550 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout 590 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/$name.log"
     cp benchmarks/results/"$name".{json,md,png} "$OUT/" 2>/dev/null ;;
   decode)
     name=${name:-decode_graphs}

@@ -8,34 +8,61 @@ Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's 
 (+ torch.compile, which also runs the steps that are not pure decode), cb_sync_decode_compiled (those steps eager;
 compiled engines run after the others so that one compile serves every batch), hf_generate, hf_generate_static
 (static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb.
+
+Each row is one engine at one batch size after a warm-up call: cb_sync's rows give the median of REPEATS timed
+calls (all in `call_s`), the peers' one timed call (they take 3-20x longer). Between rows the process collects
+its garbage and returns cached GPU memory; each row records the cyclic garbage collector's pauses within its timed
+calls (`gc_s`), the objects it tracks, the live threads and the card's temperature, clock and power after the row.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, markdown_table, write_results
+from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, gpu_state, markdown_table, write_results
 
 PREFILL_TOKENS = 16384   # cb_sync's max_batch_tokens: the prompts of batch 128 (128 x 128 tokens) in one step
+REPEATS = 3              # timed calls per cb_sync row (the median is reported)
 
 
 def _timed(fn):
-    """Seconds and peak GiB of GPU memory (0 on the CPU) of fn()."""
+    """Seconds, peak GiB of GPU memory (0 on the CPU) and seconds of garbage-collector pauses of fn()."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    with _gc_pauses() as pauses:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, pauses[0]
+
+
+@contextlib.contextmanager
+def _gc_pauses():
+    """A one-item list that holds, on leaving the block, the seconds the cyclic garbage collector ran within it."""
+    total, started = [0.0], []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            total[0] += time.perf_counter() - started.pop()
+    gc.callbacks.append(callback)
+    try:
+        yield total
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True, compiled_prefill=True):
@@ -45,17 +72,23 @@ def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=Tr
     if not compiled_prefill and driver.graphs is not None:
         driver.graphs.runs_steps = lambda num_tokens: False         # steps that are not pure decode run eagerly
     params = SamplingParams(max_new_tokens=new_tokens)
-    warmup, _ = _timed(lambda: driver.generate(prompts, params))
-    steps = _time_steps(driver)
-    seconds, peak = _timed(lambda: driver.generate(prompts, params))
+    warmup, *_ = _timed(lambda: driver.generate(prompts, params))
     graphs = driver.graphs
     timings = {"first_call_s": round(warmup, 2), "graph_warmup_s": round(graphs.warmup_seconds, 2) if graphs else 0,
-               "capture_s": round(graphs.capture_seconds, 2) if graphs else 0,
-               "replay_steps": len(steps["replay"]), "replay_step_ms": _mean_ms(steps["replay"]),
-               "eager_steps": len(steps["eager"]), "eager_s": round(sum(steps["eager"]), 3),
-               "outside_steps_s": round(seconds - sum(steps["replay"]) - sum(steps["eager"]), 3)}
+               "capture_s": round(graphs.capture_seconds, 2) if graphs else 0}
+    steps, calls = _time_steps(driver), []
+    for _ in range(REPEATS):
+        for values in steps.values():
+            values.clear()
+        seconds, peak, gc_s = _timed(lambda: driver.generate(prompts, params))
+        calls.append((seconds, peak, gc_s, {
+            "replay_steps": len(steps["replay"]), "replay_step_ms": _mean_ms(steps["replay"]),
+            "eager_steps": len(steps["eager"]), "eager_s": round(sum(steps["eager"]), 3),
+            "outside_steps_s": round(seconds - sum(steps["replay"]) - sum(steps["eager"]), 3)}))
     driver.release()
-    return seconds, peak, timings
+    seconds, _, gc_s, median_call = sorted(calls, key=lambda call: call[0])[len(calls) // 2]
+    return seconds, max(call[1] for call in calls), {**timings, **median_call, "gc_s": round(gc_s, 4),
+                                                     "call_s": [round(call[0], 3) for call in calls]}
 
 
 def _time_steps(driver) -> dict[str, list[float]]:
@@ -99,10 +132,10 @@ def run_hf_generate(model, prompts, new_tokens, static=False):
     with torch.no_grad():
         if static:
             kwargs["cache_implementation"] = "static"
-            first, _ = _timed(lambda: model.generate(ids, **kwargs))
+            first, *_ = _timed(lambda: model.generate(ids, **kwargs))
             extra["first_call_s"] = round(first, 2)
-        seconds, peak = _timed(lambda: model.generate(ids, **kwargs))
-    return seconds, peak, extra
+        seconds, peak, gc_s = _timed(lambda: model.generate(ids, **kwargs))
+    return seconds, peak, {**extra, "gc_s": round(gc_s, 4)}
 
 
 def run_transformers_cb(model, prompts, new_tokens):
@@ -114,11 +147,11 @@ def run_transformers_cb(model, prompts, new_tokens):
     target.set_attn_implementation("paged|sdpa")
     try:
         with torch.no_grad():
-            seconds, peak = _timed(lambda: model.generate_batch(prompts, generation_config=config,
-                                                                continuous_batching_config=cb_config))
+            seconds, peak, gc_s = _timed(lambda: model.generate_batch(prompts, generation_config=config,
+                                                                      continuous_batching_config=cb_config))
     finally:
         target.set_attn_implementation("sdpa")
-    return seconds, peak, {}
+    return seconds, peak, {"gc_s": round(gc_s, 4)}
 
 
 ENGINES = {
@@ -174,12 +207,17 @@ def main(argv=None):
                         jobs.append((engine, batch, False))
     rows = []
     for engine, batch, lora in jobs:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()         # what an engine left cached is returned before the next one runs
+        state = {"gc_objects": len(gc.get_objects()), "threads": threading.active_count()}
         try:
             with contextlib.nullcontext() if lora else model.disable_adapter():
                 seconds, peak, extra = ENGINES[engine](model, prompts[batch], args.new_tokens)
         except Exception as error:                   # a peer that fails is reported, not fatal
             print(f"{engine} batch {batch} failed: {error!r}", flush=True)
             continue
+        extra = {**extra, **state, **gpu_state()}
         tok_s = batch * args.new_tokens / seconds
         floor = args.new_tokens * floor_seconds_per_step(batch, args.prompt_len + args.new_tokens // 2, lora)
         rows.append({"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora,

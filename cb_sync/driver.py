@@ -75,12 +75,13 @@ class SyncCBDriver:
             self.config.max_cache_gib)
         show = self.config.progress_bar if progress_bar is None else progress_bar
         use_lora_kernels = self.config.lora_kernels and self.backend is not sdpa_paged
-        with generation_mode(self.model), lora_kernels(self.model, use_lora_kernels), tqdm(
+        with generation_mode(self.model) as modules, lora_kernels(self.model, use_lora_kernels, modules), tqdm(
                 total=sum(r.params.max_new_tokens for r in requests), unit="tok", desc="cb_sync",
                 disable=not (sys.stderr.isatty() if show is None else show)) as bar:
             self.cache.ensure(num_blocks)
             if self.graphs is not None:
-                self.graphs.begin_call(max(blocks_for(r.max_tokens, self.config.block_size) for r in requests))
+                self.graphs.begin_call(max(blocks_for(r.max_tokens, self.config.block_size) for r in requests),
+                                       modules)
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
 

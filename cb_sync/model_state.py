@@ -6,9 +6,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from transformers import PreTrainedModel
 
 from .attention import ATTN_IMPLEMENTATION
 from .graphs.rotary import rotary_tables_materialized
+from .patching import module_list
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -29,25 +31,37 @@ def check_supported(model: torch.nn.Module) -> None:
                          "so cb_sync cannot supply paged attention to it")
 
 
+def _set_attention(base: PreTrainedModel, modules: list[torch.nn.Module], implementation: str) -> None:
+    """`base.set_attn_implementation(implementation)`, without its walk over the modules where that walk has nothing
+    to set: no sub-configs and no submodel of another config class (text-only causal LMs), where the config's own
+    setter does the same. (`check_supported` made the full switch once.)"""
+    if base.config.sub_configs or any(isinstance(m, PreTrainedModel) and type(m.config) is not type(base.config)
+                                      for m in modules):
+        base.set_attn_implementation(implementation)
+    else:
+        base.config._attn_implementation = implementation
+
+
 @contextmanager
 def generation_mode(model: torch.nn.Module):
     """Run the model with paged attention, in eval and inference mode, its rotary tables computed once per compiled
     step (`graphs.rotary`); restore every module's training flag, the attention implementation and the rotary
-    modules afterwards, also when the body raises."""
+    modules afterwards, also when the body raises. Yields the model's modules (`patching.module_list`), walked once
+    for every use within the call."""
     base = base_model(model)
-    modules = list(model.modules())       # one walk (~2 ms for a PEFT-wrapped 36-layer model), used three times
+    modules = module_list(model)
     training = {id(module) for module in modules if module.training}
     previous = base.config._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
-        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        _set_attention(base, modules, ATTN_IMPLEMENTATION)
     try:
         if training:
             model.eval()
         with torch.inference_mode(), rotary_tables_materialized(modules):
-            yield
+            yield modules
     finally:
         if base.config._attn_implementation != previous:
-            base.set_attn_implementation(previous)
+            _set_attention(base, modules, previous)
         for module in modules:                # a flag is written only where it differs (a costly setattr)
             if module.training != (id(module) in training):
                 module.training = id(module) in training

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import ATTN_IMPLEMENTATION
 from cb_sync.model_state import generation_mode
+from cb_sync.patching import module_list
 
 from conftest import VOCAB, hf_greedy, make_model, random_prompts
 
@@ -110,6 +112,47 @@ def test_generation_mode_restores_what_its_body_changes():
         assert [m.training for m in model.modules()] == flags
         assert base.config._attn_implementation == entry_impl
         assert "forward" not in base.model.rotary_emb.__dict__
+
+
+def test_module_list_walks_every_module_once_parents_first():
+    model = make_model("llama", lora=True)
+    shared = torch.nn.Linear(2, 2)
+    model.get_base_model().model.layers[0].extra = shared
+    model.get_base_model().model.layers[1].extra = shared       # one module under two parents: listed once
+    modules = module_list(model)
+    assert len(modules) == len({id(m) for m in modules}) == len(list(model.modules()))
+    assert {id(m) for m in modules} == {id(m) for m in model.modules()}
+    index = {id(m): i for i, m in enumerate(modules)}
+    assert all(index[id(parent)] < index[id(child)] for parent in modules for child in parent.children())
+
+
+def _attention_settings(model):
+    """Every config's attention implementation, in module order."""
+    return [m.config._attn_implementation for m in model.modules() if isinstance(m, PreTrainedModel)]
+
+
+@pytest.mark.parametrize("composite", [False, True])
+def test_generation_mode_switches_attention_as_set_attn_implementation_does(composite):
+    """The switch that skips transformers' module walk for text-only models sets what `set_attn_implementation` sets;
+    a model with sub-configs (a vision-language model) takes transformers' own switch."""
+    if composite:
+        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+        text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=8, patch_size=4)
+        model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text)).eval()
+        model.set_attn_implementation("sdpa")
+    else:
+        model = make_model("qwen3")
+    before = _attention_settings(model)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    expected = _attention_settings(model)
+    model.set_attn_implementation("sdpa")
+    assert _attention_settings(model) == before
+    with generation_mode(model):
+        assert _attention_settings(model) == expected
+    assert _attention_settings(model) == before
 
 
 def test_in_place_weight_updates_are_seen():

@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from ..attention import AttnMetadata
 from ..lora.fast_forward import KERNEL_MAX_ELEMENTS
 from ..model_state import base_model
+from ..patching import module_list
 from ..sampling import SamplingBatch, sample, sampling_columns, uses_candidates
 from .buckets import bucket_for, decode_buckets
 from .step_inputs import StepInputs
@@ -34,13 +35,15 @@ def sampling_mode(batch_params) -> int:
     return TOP_K if uses_candidates(batch_params) else FILTERED
 
 
-def model_fingerprint(model: torch.nn.Module) -> tuple:
-    """Everything a captured graph bakes in about the model: parameter storages and dtypes, adapter state."""
-    params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
-    tuners = [(name, m) for name, m in model.named_modules()
+def model_fingerprint(model: torch.nn.Module, modules: list | None = None) -> tuple:
+    """Everything a captured graph bakes in about the model: parameter storages and dtypes, adapter state
+    (modules: the model's modules if already walked, see `patching.module_list`)."""
+    modules = module_list(model) if modules is None else modules
+    params = tuple((p.data_ptr(), p.dtype) for m in modules for p in m._parameters.values() if p is not None)
+    tuners = [(i, m) for i, m in enumerate(modules)
               if hasattr(type(m), "merged_adapters")]     # PEFT's tuner layers (a class attribute: no __getattr__ miss)
-    adapters = tuple((name, repr(getattr(m, "active_adapters", None)), repr(m.merged_adapters),
-                      getattr(m, "disable_adapters", None)) for name, m in tuners)
+    adapters = tuple((i, repr(getattr(m, "active_adapters", None)), repr(m.merged_adapters),
+                      getattr(m, "disable_adapters", None)) for i, m in tuners)
     return params, adapters
 
 
@@ -90,11 +93,11 @@ class DecodeGraphs:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
-    def begin_call(self, max_blocks_per_request: int) -> None:
+    def begin_call(self, max_blocks_per_request: int, modules: list | None = None) -> None:
         """Drop stale graphs before a call: new weights storage, adapters, cache pools, autocast state or a wider
-        block table."""
+        block table (modules: the model's modules if already walked)."""
         device = self.cache.device.type
-        fingerprint = (model_fingerprint(self.model), tuple(t.data_ptr() for t in self.cache.k_caches),
+        fingerprint = (model_fingerprint(self.model, modules), tuple(t.data_ptr() for t in self.cache.k_caches),
                        tuple(t.data_ptr() for t in self.cache.v_caches),
                        torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         if max_blocks_per_request > self.width:

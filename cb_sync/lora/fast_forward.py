@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..patching import forwards_swapped
+from ..patching import forwards_swapped, module_list
 
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
 KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within reach of the kernel's int32 offsets
@@ -30,15 +30,6 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # HF names of projections that
 # read one tensor, called in a row by the attention and MLP forwards of Llama, Qwen, Mistral, Gemma and the like
-
-
-def _lora_linears(model: torch.nn.Module):
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:
-        return []
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, Linear) and isinstance(m.base_layer, torch.nn.Linear)]
 
 
 def _version(x: torch.Tensor):
@@ -68,21 +59,27 @@ class _SharedInput:
         self.kept = {i: (x, _version(x), out, adapters[i]) for i, out in outputs.items()}
 
 
-def _shared_input_groups(named: list) -> list:
-    """(group, index) for each module: siblings named in SHARED_INPUT with one input width share a group, the rest
-    are alone."""
-    by_name = dict(named)
+def _lora_groups(modules: list) -> dict:
+    """id(module) -> (module, group, index) for each PEFT LoRA Linear over an nn.Linear among `modules`: siblings named in
+    SHARED_INPUT (children of one parent) with one input width share a group, the rest are alone."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return {}
+    lora = {id(m): m for m in modules if isinstance(m, Linear) and isinstance(m.base_layer, torch.nn.Linear)}
     placed = {}
-    for name, _ in named:
-        parent, _, child = name.rpartition(".")
-        for siblings in SHARED_INPUT:
-            members = [f"{parent}.{s}" if parent else s for s in siblings]
-            members = [m for m in members if m in by_name and m not in placed]
-            widths = {by_name[m].base_layer.in_features for m in members}
-            if child in siblings and len(members) > 1 and len(widths) == 1:
-                group = _SharedInput([by_name[m] for m in members])
-                placed.update({m: (group, i) for i, m in enumerate(members)})
-    return [placed.get(name) or (_SharedInput([module]), 0) for name, module in named]
+    for parent in modules:
+        children = parent._modules
+        for siblings in SHARED_INPUT if children else ():
+            members = [children[name] for name in siblings if name in children]
+            members = [m for m in members if id(m) in lora and id(m) not in placed]
+            if len(members) > 1 and len({m.base_layer.in_features for m in members}) == 1:
+                group = _SharedInput(members)
+                placed.update({id(m): (m, group, i) for i, m in enumerate(members)})
+    for key, module in lora.items():
+        if key not in placed:
+            placed[key] = (module, _SharedInput([module]), 0)
+    return placed
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -163,11 +160,11 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
     return forward
 
 
-def lora_kernels(model: torch.nn.Module, enabled: bool = True):
-    """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies."""
-    named = _lora_linears(model) if enabled else []
-    if named:
+def lora_kernels(model: torch.nn.Module, enabled: bool = True, modules: list | None = None):
+    """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies (modules:
+    the model's modules if already walked, see `patching.module_list`)."""
+    groups = _lora_groups(module_list(model) if modules is None else modules) if enabled else {}
+    if groups:
         from cb_sync.lora import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
-    groups = {id(module): group for (_, module), group in zip(named, _shared_input_groups(named))}
-    return forwards_swapped([module for _, module in named],
-                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)]))
+    return forwards_swapped([module for module, _, _ in groups.values()],
+                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:]))

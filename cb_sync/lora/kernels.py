@@ -250,6 +250,11 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself where it is contiguous (`Tensor.contiguous` would cost a dispatch per call)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _padded(values: list, fill) -> list:
     return values + [fill] * (MAX_MEMBERS - len(values))
 
@@ -292,7 +297,7 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     if m == 0:
         return outs
     compute = _TL_DTYPES[compute_dtype or lora_as[0].dtype]
-    lora_as, lora_bs = [a.contiguous() for a in lora_as], [b.contiguous() for b in lora_bs]
+    lora_as, lora_bs = [_contiguous(a) for a in lora_as], [_contiguous(b) for b in lora_bs]
     if base_mode != READ_BASE and x.stride(1) != 1:
         x = x.contiguous()
     ranks, widths = [a.shape[0] for a in lora_as], [out.shape[1] for out in outs]
@@ -307,7 +312,8 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     partial = torch.empty((len(outs), num_splits, m, block_r), dtype=torch.float32, device=x.device)
     row_tiles = triton.cdiv(m, block_m)
     base_splits = triton.cdiv(k, base_split_k) if base_mode == SUMMED_BASE else 0
-    base_partial = torch.empty((base_splits, m, sum(widths)), dtype=torch.float32, device=x.device)
+    base_partial = (torch.empty((base_splits, m, sum(widths)), dtype=torch.float32, device=x.device) if base_splits
+                    else partial)                                    # unread without base splits
     base_programs = base_splits * sum(triton.cdiv(n, base_block_n) for n in widths)
     weights = weights or outs                                        # unread when absent
     pdl = _pdl(x.device)
@@ -344,7 +350,7 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program (None: chosen by the
     row count), loaded block_k at a time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
     _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as, [b.shape[-1] for b in bases])
-    bases = [base.contiguous() for base in bases]
+    bases = [_contiguous(base) for base in bases]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
     return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
                        READ_BASE)
@@ -366,8 +372,10 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     if (x.shape[0] > FUSED_BASE_MAX_ROWS or x.shape[1] > max_k
             or any(w.numel() > MAX_OFFSET for w in weights)):
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
-        return lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype)
-    weights, biases = [w.contiguous() for w in weights], [b.contiguous() for b in biases] or None
+        # the new base tensors (checked by the test above) are this call's own: the kernel adds into them in place
+        return _lora_group(x, bases, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, None,
+                           SHRINK_BLOCK_K, READ_BASE)
+    weights, biases = [_contiguous(w) for w in weights], [_contiguous(b) for b in biases] or None
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
     return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, None,
                        SHRINK_BLOCK_K, mode)
