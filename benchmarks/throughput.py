@@ -1,6 +1,6 @@
 """Workload T: 128-token random prompts, 256 new tokens, greedy, batch 4/32/128, Qwen3-4B shape (+ LoRA r32).
 
-cb_sync and its peers run in one process on the same card; the table gives ratios from this run only.
+cb_sync and its peers run on the same card in one run; the table gives ratios from this run only.
     python -m benchmarks.throughput [--batches 4 32 128] [--engines cb_sync cb_sync_compiled hf_generate ...]
     python -m benchmarks.throughput --tiny --out DIR     # CPU plumbing check: tiny Qwen3, fp32, a few tokens
 
@@ -9,10 +9,12 @@ Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's 
 compiled engines run after the others so that one compile serves every batch), hf_generate, hf_generate_static
 (static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb.
 
-Each row is one engine at one batch size after a warm-up call: cb_sync's rows give the median of REPEATS timed
-calls (all in `call_s`), the peers' one timed call (they take 3-20x longer). Between rows the process collects
-its garbage and returns cached GPU memory; each row records the cyclic garbage collector's pauses within its timed
-calls (`gc_s`), the objects it tracks, the live threads and the card's temperature, clock and power after the row.
+With --isolate each engine runs in a process of its own (all its batch sizes), one after the other; without it, all
+run in this process. Each row is one engine at one batch size after a warm-up call: cb_sync's rows give the median
+of REPEATS timed calls (all in `call_s`), the peers' one timed call (they take 3-20x longer). Between rows the
+process collects its garbage and returns cached GPU memory; each row records the cyclic garbage collector's pauses
+within its timed calls (`gc_s`), the objects it tracks, the live threads and the card's temperature, clock and power
+after the row.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import argparse
 import contextlib
 import gc
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -181,16 +185,20 @@ def main(argv=None):
                         help="CPU plumbing check: tiny Qwen3 in fp32, batches 2 and 4, 8-token prompts, 8 new tokens")
     parser.add_argument("--from-json", action="store_true",
                         help="measure nothing: redraw <out>/<name>.md and .png from <out>/<name>.json")
+    parser.add_argument("--isolate", action="store_true",
+                        help="each engine in a process of its own, one after the other, on the same card")
     args = parser.parse_args(argv)
     if args.from_json:
         rows = json.loads((args.out / f"{args.name}.json").read_text())
         (args.out / f"{args.name}.md").write_text(_table(rows))
         plot(rows, args.out / f"{args.name}.png")
         return
+    if args.tiny and args.engines == list(DEFAULT_ENGINES):   # transformers CB spends ~10 s a call starting on the CPU
+        args.engines = ["cb_sync", "hf_generate"]
+    if args.isolate:
+        return _isolated(args)
     if args.tiny:
         args.batches, args.prompt_len, args.new_tokens = [2, 4], 8, 8
-        if args.engines == list(DEFAULT_ENGINES):       # transformers CB spends ~10 s a call starting on the CPU
-            args.engines = ["cb_sync", "hf_generate"]
         model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
     else:
         model = build_model(lora=True)
@@ -226,6 +234,29 @@ def main(argv=None):
                      "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1), **extra})
         print(rows[-1], flush=True)
         write_results(args.name, rows, _table(rows), args.out)   # after every row: a run cut short keeps its rows
+    plot(rows, args.out / f"{args.name}.png")
+    print(_table(rows))
+    return rows
+
+
+def _isolated(args) -> list[dict]:
+    """Run each engine (all its batches) in a fresh process, in the order the jobs would run in one process, so that
+    no engine runs after what another left behind (threads, cached memory, compiled state); merge their rows."""
+    order = sorted(args.engines, key=lambda engine: engine.endswith("_compiled"))     # (a stable sort)
+    rows = []
+    for engine in order:
+        name = f"{args.name}_{engine}"
+        command = [sys.executable, "-m", "benchmarks.throughput", "--engines", engine, "--name", name,
+                   "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len),
+                   "--new-tokens", str(args.new_tokens), "--no-lora-engines",
+                   *[e for e in args.no_lora_engines if e == engine], *(["--tiny"] if args.tiny else [])]
+        subprocess.run(command, check=False)        # an engine that fails is reported by the rows it left out
+        path = args.out / f"{name}.json"
+        if path.is_file():
+            rows += [{**row, "process": "own"} for row in json.loads(path.read_text())]
+        for suffix in (".json", ".md", ".png"):
+            (args.out / f"{name}{suffix}").unlink(missing_ok=True)
+        write_results(args.name, rows, _table(rows), args.out)
     plot(rows, args.out / f"{args.name}.png")
     print(_table(rows))
     return rows

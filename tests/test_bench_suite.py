@@ -28,3 +28,15 @@ def test_a_failing_part_is_reported_and_the_others_run(tmp_path, monkeypatch):
     outcome = suite.main(["--tiny", "--out", str(tmp_path)])
     assert outcome["throughput"] != "ok" and outcome["grpo"] == "ok"
     assert (tmp_path / "grpo.json").is_file() and not (tmp_path / "throughput.json").exists()
+
+
+def test_isolated_engines_run_in_processes_of_their_own(tmp_path):
+    from benchmarks import throughput
+    rows = throughput.main(["--tiny", "--isolate", "--engines", "hf_generate", "cb_sync", "--no-lora-engines",
+                            "--out", str(tmp_path)])
+    assert [(r["engine"], r["batch"]) for r in rows] == [("hf_generate", 2), ("hf_generate", 4), ("cb_sync", 2),
+                                                         ("cb_sync", 4)]
+    assert all(r["process"] == "own" and r["tok_per_s"] > 0 and len(r.get("call_s", [0])) in (1, 3) for r in rows)
+    assert json.loads((tmp_path / "throughput.json").read_text())[-1]["engine"] == "cb_sync"
+    names = {p.name for p in tmp_path.iterdir()}          # the engines' own files are merged and removed
+    assert {"throughput.json", "throughput.md"} <= names <= {"throughput.json", "throughput.md", "throughput.png"}
