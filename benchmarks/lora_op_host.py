@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import time
 
 import torch
 
-from benchmarks.lora_layers import GROUPS
+from benchmarks.lora_layers import GROUPS, _load_module
 from cb_sync.lora import kernels, ops  # noqa: F401  (registers the op)
 
 
@@ -42,11 +41,7 @@ def main(argv=None) -> None:
     parser.add_argument("--other", default=None, help="another revision's cb_sync/lora/kernels.py")
     parser.add_argument("--no-inference-mode", action="store_true")
     args = parser.parse_args(argv)
-    other = None
-    if args.other:
-        spec = importlib.util.spec_from_file_location("other_kernels", args.other)
-        other = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(other)
+    other = _load_module(args.other) if args.other else None
     torch.manual_seed(0)
     with contextlib.nullcontext() if args.no_inference_mode else torch.inference_mode():
         for rows in args.rows:

@@ -3,6 +3,7 @@ once per compiled step; always restored."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -31,15 +32,14 @@ def check_supported(model: torch.nn.Module) -> None:
                          "so cb_sync cannot supply paged attention to it")
 
 
-def _set_attention(base: PreTrainedModel, modules: list[torch.nn.Module], implementation: str) -> None:
-    """`base.set_attn_implementation(implementation)`, without its walk over the modules where that walk has nothing
-    to set: no sub-configs and no submodel of another config class (text-only causal LMs), where the config's own
-    setter does the same. (`check_supported` made the full switch once.)"""
+def _attention_setter(base: PreTrainedModel, modules: list[torch.nn.Module]) -> Callable[[str], None]:
+    """`base.set_attn_implementation`, or the config's own setter where that does the same without the method's
+    walk over the modules: no sub-configs and no submodel of another config class (text-only causal LMs).
+    (`check_supported` made the full switch once.)"""
     if base.config.sub_configs or any(isinstance(m, PreTrainedModel) and type(m.config) is not type(base.config)
                                       for m in modules):
-        base.set_attn_implementation(implementation)
-    else:
-        base.config._attn_implementation = implementation
+        return base.set_attn_implementation
+    return lambda implementation: setattr(base.config, "_attn_implementation", implementation)
 
 
 @contextmanager
@@ -52,8 +52,9 @@ def generation_mode(model: torch.nn.Module):
     modules = module_list(model)
     training = {id(module) for module in modules if module.training}
     previous = base.config._attn_implementation
+    set_attention = _attention_setter(base, modules)         # decided once for entry and exit
     if previous != ATTN_IMPLEMENTATION:
-        _set_attention(base, modules, ATTN_IMPLEMENTATION)
+        set_attention(ATTN_IMPLEMENTATION)
     try:
         if training:
             model.eval()
@@ -61,7 +62,7 @@ def generation_mode(model: torch.nn.Module):
             yield modules
     finally:
         if base.config._attn_implementation != previous:
-            _set_attention(base, modules, previous)
+            set_attention(previous)
         for module in modules:                # a flag is written only where it differs (a costly setattr)
             if module.training != (id(module) in training):
                 module.training = id(module) in training

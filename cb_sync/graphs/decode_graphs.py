@@ -40,8 +40,8 @@ def model_fingerprint(model: torch.nn.Module, modules: list | None = None) -> tu
     (modules: the model's modules if already walked, see `patching.module_list`)."""
     modules = module_list(model) if modules is None else modules
     params = tuple((p.data_ptr(), p.dtype) for m in modules for p in m._parameters.values() if p is not None)
-    tuners = [(i, m) for i, m in enumerate(modules)
-              if hasattr(type(m), "merged_adapters")]     # PEFT's tuner layers (a class attribute: no __getattr__ miss)
+    # PEFT's tuner layers, told by a class attribute (no __getattr__ miss)
+    tuners = [(i, m) for i, m in enumerate(modules) if hasattr(type(m), "merged_adapters")]
     adapters = tuple((i, repr(getattr(m, "active_adapters", None)), repr(m.merged_adapters),
                       getattr(m, "disable_adapters", None)) for i, m in tuners)
     return params, adapters

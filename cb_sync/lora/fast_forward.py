@@ -60,8 +60,8 @@ class _SharedInput:
 
 
 def _lora_groups(modules: list) -> dict:
-    """id(module) -> (module, group, index) for each PEFT LoRA Linear over an nn.Linear among `modules`: siblings named in
-    SHARED_INPUT (children of one parent) with one input width share a group, the rest are alone."""
+    """id(module) -> (module, group, index) for each PEFT LoRA Linear over an nn.Linear among `modules`: siblings
+    named in SHARED_INPUT (children of one parent) with one input width share a group, the rest are alone."""
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:
