@@ -16,9 +16,10 @@ import torch
 
 from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, markdown_table, write_results
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.graphs.decode_graphs import GREEDY
-from cb_sync.lora import fast_forward, kernels, lora_kernels as lora_kernels_for
+from cb_sync.lora import fast_forward, lora_kernels as lora_kernels_for
 from cb_sync.model_state import generation_mode
+from cb_sync.sampling import SamplerKind
+from cb_sync.tuning import KernelTuning, LoraTuning
 
 CONTEXT = 384
 KINDS = (("attention", ("_decode_", "_prefill_kernel", "_store_kv")),
@@ -64,30 +65,33 @@ def kernel_profile(fn, label: str, repeats: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
-def probe(model, batch: int, compile_model: bool, lora_kernels: bool = True, profile_to=None, label: str = "") -> dict:
+def probe(model, batch: int, compile_model: bool, lora_kernels: bool = True, profile_to=None, label: str = "",
+          tuning: KernelTuning = KernelTuning()) -> dict:
     """Fill the static buffers with `batch` rows at context CONTEXT and time eager step vs replay."""
     driver = SyncCBDriver(model, CBConfig(max_batch_size=batch, max_batch_tokens=8192, compile=compile_model,
-                                          lora_kernels=lora_kernels))
+                                          lora_kernels=lora_kernels, tuning=tuning))
     driver.generate([[1] * (CONTEXT - 4)] * batch, SamplingParams(max_new_tokens=4))   # cache + capture
-    graphs, per_row = driver.graphs, -(-CONTEXT // driver.cache.block_size)
-    with generation_mode(model), lora_kernels_for(model, lora_kernels):
+    replay, per_row = driver.runner.replay, -(-CONTEXT // driver.cache.block_size)
+    inputs, greedy = replay.buffers.views, SamplerKind.GREEDY
+    with generation_mode(model), lora_kernels_for(model, lora_kernels, tuning=tuning.lora):
         rows = torch.arange(batch, device="cuda")
-        graphs.tables[:batch, :per_row] = (rows[:, None] * per_row + torch.arange(per_row, device="cuda")).int()
-        graphs.positions[:batch] = CONTEXT - 1
-        graphs.seq_lens[:batch] = CONTEXT
-        graphs.slots[:batch] = graphs.tables[:batch, (CONTEXT - 1) // 16].long() * 16 + (CONTEXT - 1) % 16
-        eager = _ms_per_call(lambda: graphs.step(batch, GREEDY), repeats=5)
-        replay = _ms_per_call(graphs.graphs[(batch, GREEDY)].replay)
+        inputs["tables"][:batch, :per_row] = (rows[:, None] * per_row + torch.arange(per_row, device="cuda")).int()
+        inputs["positions"][:batch] = CONTEXT - 1
+        inputs["seq_lens"][:batch] = CONTEXT
+        inputs["slots"][:batch] = inputs["tables"][:batch, (CONTEXT - 1) // 16].long() * 16 + (CONTEXT - 1) % 16
+        eager = _ms_per_call(lambda: replay.decode_step(batch, greedy), repeats=5)
+        graph = replay.graphs.graphs[(batch, greedy)]
+        replayed = _ms_per_call(graph)
         if profile_to is not None:
             with open(profile_to, "a") as log:
-                for name, fn in (("graph replay", graphs.graphs[(batch, GREEDY)].replay),
-                                 ("uncaptured step", lambda: graphs.step(batch, GREEDY))):
+                for name, fn in (("graph replay", graph),
+                                 ("uncaptured step", lambda: replay.decode_step(batch, greedy))):
                     try:
                         log.write(kernel_profile(fn, f"{label} {name}"))
                     except Exception as error:      # a profiler problem must not end the probe
                         log.write(f"## {label} {name}: profile failed: {error!r}\n")
     driver.release()
-    return {"eager_ms": round(eager, 2), "graph_ms": round(replay, 2)}
+    return {"eager_ms": round(eager, 2), "graph_ms": round(replayed, 2)}
 
 
 def main(argv=None):
@@ -106,8 +110,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.lora_alone:
         fast_forward.SHARED_INPUT = ()
-    if args.base_by_torch:
-        kernels.FUSED_BASE_MAX_ROWS = 0
+    tuning = KernelTuning(lora=LoraTuning(fused_base_max_rows=0)) if args.base_by_torch else KernelTuning()
     model = build_model(lora=True)
     rows = []
     for batch in args.batches:
@@ -117,7 +120,7 @@ def main(argv=None):
             label = (f"batch {batch}, LoRA {path if lora else 'off'}, "
                      f"compile {'on' if args.compile else 'off'}")
             with contextlib.nullcontext() if lora else model.disable_adapter():
-                times = probe(model, batch, args.compile, not args.peft_lora, args.profile, label)
+                times = probe(model, batch, args.compile, not args.peft_lora, args.profile, label, tuning)
             floor_ms = 1e3 * floor_seconds_per_step(batch, CONTEXT, lora)
             rows.append({"engine": "cb_sync", "model": "qwen3-4b-shape", "lora": lora, "batch": batch,
                          "lora_path": path.replace(",", "").replace(" ", "_").lower() if lora else None,

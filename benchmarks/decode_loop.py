@@ -18,7 +18,7 @@ import torch
 from benchmarks.common import RESULTS, build_model, markdown_table, write_results
 from benchmarks.decode_graphs import _ms_per_call, kernel_profile
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.graphs.decode_graphs import sampling_mode
+from cb_sync.sampling import sampler_kind
 from cb_sync.lora import lora_kernels
 from cb_sync.model_state import generation_mode
 
@@ -54,12 +54,12 @@ def probe(model, batch: int, compile_model: bool, sampler: str, profile_to=None)
         prefill = statistics.median(_generate_seconds(driver, prompts, first) for _ in range(REPEATS))
         loop = (whole - prefill) / (NEW - 1)
         _generate_seconds(driver, prompts, params)                      # leave the buffers at the last step
-        graph = driver.graphs.graphs[(batch, sampling_mode([params]))]
+        graph = driver.runner.replay.graphs.graphs[(batch, sampler_kind([params]))]
         with generation_mode(model), lora_kernels(model, True):
-            replay = _ms_per_call(graph.replay)
+            replay = _ms_per_call(graph)
             if profile_to is not None:
                 with open(profile_to, "a") as log:
-                    log.write(kernel_profile(graph.replay, f"batch {batch}, {sampler}, compile {compile_model}"))
+                    log.write(kernel_profile(graph, f"batch {batch}, {sampler}, compile {compile_model}"))
     driver.release()
     return {"loop_ms": round(1e3 * loop, 2), "replay_ms": round(replay, 2),
             "host_ms": round(1e3 * loop - replay, 2)}

@@ -122,10 +122,10 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
         row["init_fingerprint"] = stats.extra["init_fingerprint"] = stats.init_fingerprint
         if stats.stopped_early:
             row["stopped_early"] = True
-        graphs = getattr(getattr(trainer, "_cb_driver", None), "graphs", None)
-        if graphs is not None:
-            row["cb_capture_s_total"] = stats.extra["cb_capture_s_total"] = round(graphs.capture_seconds, 2)
-            row["cb_compiled"] = stats.extra["cb_compiled"] = graphs.compiled
+        replay = getattr(getattr(getattr(trainer, "_cb_driver", None), "runner", None), "replay", None)
+        if replay is not None:
+            row["cb_capture_s_total"] = stats.extra["cb_capture_s_total"] = round(replay.graphs.capture_seconds, 2)
+            row["cb_compiled"] = stats.extra["cb_compiled"] = getattr(replay.forward, "active", False)
         stats.write()
         del trainer, model
 

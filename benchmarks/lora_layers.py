@@ -4,9 +4,9 @@ layers of weights streamed from HBM (not L2-resident as in `benchmarks.lora_kern
 Variants run in one process, alternating, so they compare in the same run:
   cublas                 torch's base GEMMs alone (no LoRA): the reference
   kernels                cb_sync's kernels as they are
-  kernels:NAME=V,...     the same with module constants set (e.g. LARGE_ROWS=64, SUMMED_BASE_TILES=1024x64 for
-                         a tuple; PDL=0: no programmatic dependent launch)
-  other[:NAME=V,...]     the kernels module at --other (e.g. `git show REV:cb_sync/lora/kernels.py`)
+  kernels:name=V,...     the same with LoraTuning fields set (e.g. large_rows=64,summed_base_block_n=32; PDL=0:
+                         no programmatic dependent launch)
+  other[:name=V,...]     the kernels module at --other (e.g. `git show REV:cb_sync/lora/kernels.py`)
     python -m benchmarks.lora_layers [--rows 4 32 128] [--variants cublas kernels kernels:PDL=0] [--other FILE]
 """
 
@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 
 import torch
 
 from benchmarks.common import markdown_table, write_results
 from cb_sync.lora import kernels
+from cb_sync.tuning import LoraTuning
 
 LAYERS = 36
 GROUPS = {"qkv": (2560, [4096, 1024, 1024]), "o": (4096, [2560]), "gate/up": (2560, [9728, 9728]),
@@ -33,31 +35,27 @@ def _stack(k: int, widths: list[int]) -> list[dict]:
              "bs": [torch.randn(n, 32, device="cuda") * 1e-3 for n in widths]} for _ in range(LAYERS)]
 
 
-def _group_call(module, variant: str):
+def _group_call(module, variant: str, tuning: LoraTuning):
     """fn(x, layer) running one group's projections as the variant does."""
     if variant == "cublas":
         return lambda x, layer: [torch.nn.functional.linear(x, w) for w in layer["weights"]]
+    own = {"tuning": tuning} if module is kernels else {}      # another revision's module keeps its own tiles
     return lambda x, layer: module.lora_linear_group(x, layer["weights"], [], layer["as"], layer["bs"],
-                                                     [2.0] * len(layer["weights"]))
+                                                     [2.0] * len(layer["weights"]), **own)
 
 
 @contextlib.contextmanager
-def _patched(module, patches: str):
-    """module's constants set from "NAME=V,..." (AxB: a tuple; PDL=0 turns programmatic dependent launch off), then
-    restored."""
-    settings = dict(item.split("=") for item in patches.split(",") if item)
-    saved = {name: getattr(module, name) for name in settings if name != "PDL"}
+def _variant(module, settings: str):
+    """The LoraTuning of "name=V,..." (PDL=0 also turns the module's programmatic dependent launch off until the
+    block ends)."""
+    values = dict(item.split("=") for item in settings.split(",") if item)
+    pdl = values.pop("PDL", "1") == "1"
     saved_pdl = getattr(module, "_pdl", None)
-    for name, value in settings.items():
-        if name == "PDL":
-            module._pdl = lambda device, on=value == "1": on and saved_pdl(device)
-        else:
-            setattr(module, name, tuple(map(int, value.split("x"))) if "x" in value else int(value))
+    if not pdl and saved_pdl is not None:
+        module._pdl = lambda device: False
     try:
-        yield
+        yield dataclasses.replace(LoraTuning(), **{name: int(value) for name, value in values.items()})
     finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
         if saved_pdl is not None:
             module._pdl = saved_pdl
 
@@ -105,8 +103,8 @@ def main(argv=None):
         times = {}
         for _ in range(args.rounds):
             for variant in args.variants:
-                with _patched(modules[variant], variant.partition(":")[2]):
-                    call = _group_call(modules[variant], variant)
+                with _variant(modules[variant], variant.partition(":")[2]) as tuning:
+                    call = _group_call(modules[variant], variant, tuning)
                     for group in GROUPS:
                         fn = lambda g=group: [call(xs[g], layer) for layer in stacks[g]]
                         times.setdefault((variant, group), []).append(_us_per_layer(fn))

@@ -5,8 +5,8 @@ cb_sync and its peers run on the same card in one run; the table gives ratios fr
     python -m benchmarks.throughput --tiny --out DIR     # CPU plumbing check: tiny Qwen3, fp32, a few tokens
 
 Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's LoRA forward), cb_sync_compiled
-(+ torch.compile, which also runs the steps that are not pure decode), cb_sync_decode_compiled (those steps eager;
-compiled engines run after the others so that one compile serves every batch), hf_generate, hf_generate_static
+(+ torch.compile, which also runs the steps that are not pure decode; compiled engines run after the others so that
+one compile serves every batch), hf_generate, hf_generate_static
 (static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb.
 
 With --isolate each engine runs in a process of its own (all its batch sizes), one after the other; without it, all
@@ -69,61 +69,49 @@ def _gc_pauses():
         gc.callbacks.remove(callback)
 
 
-def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True, compiled_prefill=True):
+def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True):
     from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+    steps = StepTimes()
     driver = SyncCBDriver(model, CBConfig(max_batch_size=max(len(prompts), 1), max_batch_tokens=PREFILL_TOKENS,
-                                          compile=compile_model, lora_kernels=lora_kernels))
-    if not compiled_prefill and driver.graphs is not None:
-        driver.graphs.runs_steps = lambda num_tokens: False         # steps that are not pure decode run eagerly
+                                          compile=compile_model, lora_kernels=lora_kernels), observer=steps)
     params = SamplingParams(max_new_tokens=new_tokens)
     warmup, *_ = _timed(lambda: driver.generate(prompts, params))
-    graphs = driver.graphs
-    timings = {"first_call_s": round(warmup, 2), "graph_warmup_s": round(graphs.warmup_seconds, 2) if graphs else 0,
-               "capture_s": round(graphs.capture_seconds, 2) if graphs else 0}
-    steps, calls = _time_steps(driver), []
+    replay = driver.runner.replay
+    timings = {"first_call_s": round(warmup, 2), "graph_warmup_s": round(replay.warmup_seconds, 2) if replay else 0,
+               "capture_s": round(replay.graphs.capture_seconds, 2) if replay else 0}
+    calls = []
     for _ in range(REPEATS):
-        for values in steps.values():
-            values.clear()
+        steps.clear()
         seconds, peak, gc_s = _timed(lambda: driver.generate(prompts, params))
-        calls.append((seconds, peak, gc_s, {
-            "replay_steps": len(steps["replay"]), "replay_step_ms": _mean_ms(steps["replay"]),
-            "eager_steps": len(steps["eager"]), "eager_s": round(sum(steps["eager"]), 3),
-            "outside_steps_s": round(seconds - sum(steps["replay"]) - sum(steps["eager"]), 3)}))
+        calls.append((seconds, peak, gc_s, steps.split(seconds)))
     driver.release()
     seconds, _, gc_s, median_call = sorted(calls, key=lambda call: call[0])[len(calls) // 2]
     return seconds, max(call[1] for call in calls), {**timings, **median_call, "gc_s": round(gc_s, 4),
                                                      "call_s": [round(call[0], 3) for call in calls]}
 
 
-def _time_steps(driver) -> dict[str, list[float]]:
-    """Wall time of every runner step of the driver's next calls, split into graph replays and eager steps
-    (each eager step ends in a host read of its tokens, so wall time is the step's whole time). Replays, launched
-    back to back in the driver's decode chains, get an equal share of their chain's wall time."""
-    runner, steps = driver.runner, {"replay": [], "eager": []}
-    run_step, launch, run_chain = runner.step, runner.launch, driver._run_decode_chain
-    launches = []
+class StepTimes(list):
+    """A driver observer: the outputs of a call's steps, and `split(seconds)`, the call's time split into graph
+    replays, eager steps and the rest. An eager step ends with the host read of its tokens, so its wall time is
+    its whole time; replays launched one ahead of another's read share their chain's wall time equally."""
 
-    def timed(plan):
-        start = time.perf_counter()
-        out = run_step(plan)
-        steps["eager"].append(time.perf_counter() - start)
-        return out
+    def __call__(self, output) -> None:
+        self.append(output)
 
-    def counted(plan, ahead=False):
-        launches.append(1)
-        return launch(plan, ahead)
-
-    def timed_chain(*args):
-        launches.clear()
-        start = time.perf_counter()
-        run_chain(*args)
-        steps["replay"] += [(time.perf_counter() - start) / len(launches)] * len(launches)
-    runner.step, runner.launch, driver._run_decode_chain = timed, counted, timed_chain
-    return steps
-
-
-def _mean_ms(values: list[float]):
-    return round(1000 * sum(values) / len(values), 3) if values else None
+    def split(self, seconds: float) -> dict:
+        eager = [o.read_at - o.started_at for o in self if o.path != "replay"]
+        chains = []
+        for output in self:
+            if output.path == "replay":
+                if output.ahead and chains:
+                    chains[-1].append(output)
+                else:
+                    chains.append([output])
+        replay_s = sum(chain[-1].read_at - chain[0].started_at for chain in chains)
+        replays = sum(len(chain) for chain in chains)
+        return {"replay_steps": replays, "replay_step_ms": round(1e3 * replay_s / replays, 3) if replays else None,
+                "eager_steps": len(eager), "eager_s": round(sum(eager), 3),
+                "outside_steps_s": round(seconds - replay_s - sum(eager), 3)}
 
 
 def run_hf_generate(model, prompts, new_tokens, static=False):
@@ -162,7 +150,6 @@ ENGINES = {
     "cb_sync": run_cb_sync,                                                   # graphs + Triton LoRA kernel
     "cb_sync_peft_lora": lambda *a: run_cb_sync(*a, lora_kernels=False),      # graphs, PEFT's LoRA forward
     "cb_sync_compiled": lambda *a: run_cb_sync(*a, compile_model=True),       # + torch.compile
-    "cb_sync_decode_compiled": lambda *a: run_cb_sync(*a, compile_model=True, compiled_prefill=False),  # prefill eager
     "hf_generate": run_hf_generate,
     "hf_generate_static": lambda *a: run_hf_generate(*a, static=True),     # + static cache, compiled by HF
     "transformers_cb": run_transformers_cb,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from .tuning import KernelTuning
+
 ATTN_BACKENDS = ("auto", "sdpa_paged", "triton")
 
 
@@ -27,6 +29,7 @@ class CBConfig:
     max_cache_gib: cap on KV memory when num_blocks is None.
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
     progress_bar: None = only when stderr is a terminal.
+    tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).
     """
 
     block_size: int = 16
@@ -40,6 +43,7 @@ class CBConfig:
     max_cache_gib: float = 16.0
     prefix_sharing: bool = True
     progress_bar: bool | None = None
+    tuning: KernelTuning = field(default_factory=KernelTuning)
 
     def __post_init__(self):
         _positive("block_size", self.block_size)

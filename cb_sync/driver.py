@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -11,11 +12,13 @@ from tqdm.auto import tqdm
 from .attention import sdpa_paged, select_backend
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
-from .graphs.decode_graphs import DecodeGraphs
-from .lora import lora_kernels
-from .model_state import base_model, check_supported, generation_mode
+from .graphs import decode_buckets
+from .lora import kernel_row_limit, lora_kernels
+from .model_state import check_supported, generation_mode
+from .patching import base_model
 from .request import GenerationResult, Request, Status
-from .runner import ModelRunner
+from .runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
+from .runner.compiled import eager_forward
 from .scheduler import Scheduler
 
 
@@ -24,16 +27,23 @@ class SyncCBDriver:
 
     The driver runs the very modules it is given: weight updates between calls are seen by the next call.
     KV memory is allocated for each call's needs and kept for the next one until release().
+
+    observer: called with every step's output (`runner.StepOutput`) as it is launched, e.g. to time or count
+    steps. static_decode: run pure-decode steps through the static buffers of captured graphs (None: where CUDA
+    graphs apply; True also off CUDA, where a "graph" runs its step uncaptured: the CPU tests of that path).
     """
 
-    def __init__(self, model: torch.nn.Module, config: CBConfig | None = None):
+    def __init__(self, model: torch.nn.Module, config: CBConfig | None = None, *, observer=None,
+                 static_decode: bool | None = None):
         self.model = model
         self.config = config or CBConfig()
+        self.observer = observer
+        self.static_decode = static_decode
         check_supported(model)
         self._bind()
 
     def _bind(self) -> None:
-        """Size the cache, backend and graphs for the model's current device and dtype."""
+        """Size the cache, backend and step executors for the model's current device and dtype."""
         base = base_model(self.model)
         text_config = base.config.get_text_config()
         embeddings = base.get_input_embeddings().weight
@@ -45,11 +55,26 @@ class SyncCBDriver:
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
                                   self.dtype, self.device)
         self.backend = select_backend(self.config.attn_backend, self.device)
-        self.graphs = None
-        if self.config.cuda_graphs and self.device.type == "cuda" and self.backend is not sdpa_paged:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.config.max_batch_size,
-                                       self.config.compile)
-        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, self.graphs)
+        self.runner = self._runner()
+
+    def _runner(self) -> ModelRunner:
+        """Replayed graphs for pure decode where they apply, the forward compiled where asked (inside the graphs)."""
+        cfg, tuning = self.config, self.config.tuning.attention
+        replay = compiled = None
+        static = self.static_decode if self.static_decode is not None else (
+            self.device.type == "cuda" and self.backend is not sdpa_paged)
+        if cfg.cuda_graphs and static:
+            compiled = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
+            # compiled, a bucket of one would be specialised into a second compile: one request pads to two rows
+            buckets = [b for b in decode_buckets(cfg.max_batch_size) if not compiled or b > 1 or b == cfg.max_batch_size]
+            replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backend, tuning, buckets)
+            if buckets[0] == 1:            # its counts of one specialised: the other steps would compile again
+                compiled = None
+        elif cfg.compile:
+            warnings.warn("CBConfig(compile=True) has no effect here: the decode step is compiled inside its CUDA "
+                          "graphs, which need a CUDA model, cuda_graphs=True and the Triton backend", UserWarning,
+                          stacklevel=3)
+        return ModelRunner(self.model, self.cache, self.backend, tuning, replay, compiled, self.observer)
 
     def _follow_model(self) -> None:
         """Re-bind after the model moved to another device or dtype (`.to()`), dropping the old cache."""
@@ -70,18 +95,19 @@ class SyncCBDriver:
         self._follow_model()
         requests = self._build_requests(prompts, params)
         self._check_fits(requests)
-        num_blocks = self.config.num_blocks or blocks_to_allocate(
-            [r.max_tokens for r in requests], self.config.block_size, self.cache.bytes_per_block,
-            self.config.max_cache_gib)
-        show = self.config.progress_bar if progress_bar is None else progress_bar
-        use_lora_kernels = self.config.lora_kernels and self.backend is not sdpa_paged
-        with generation_mode(self.model) as modules, lora_kernels(self.model, use_lora_kernels, modules), tqdm(
+        cfg = self.config
+        num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size,
+                                                          self.cache.bytes_per_block, cfg.max_cache_gib)
+        show = cfg.progress_bar if progress_bar is None else progress_bar
+        use_lora_kernels = cfg.lora_kernels and self.backend is not sdpa_paged
+        with generation_mode(self.model) as modules, lora_kernels(self.model, use_lora_kernels, modules,
+                                                                   cfg.tuning.lora), tqdm(
                 total=sum(r.params.max_new_tokens for r in requests), unit="tok", desc="cb_sync",
                 disable=not (sys.stderr.isatty() if show is None else show)) as bar:
             self.cache.ensure(num_blocks)
-            if self.graphs is not None:
-                self.graphs.begin_call(max(blocks_for(r.max_tokens, self.config.block_size) for r in requests),
-                                       modules)
+            if self.runner.replay is not None:
+                self.runner.replay.begin_call(max(blocks_for(r.max_tokens, cfg.block_size) for r in requests),
+                                              modules)
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
 
@@ -89,53 +115,40 @@ class SyncCBDriver:
         """Free the KV cache and captured graphs so their memory can serve training; the next generate()
         allocates and captures again."""
         self.cache.release()
-        if self.graphs is not None:
-            self.graphs.release()
+        if self.runner.replay is not None:
+            self.runner.replay.graphs.release()
 
     def _run(self, requests: list[Request], bar: tqdm) -> None:
+        """schedule -> execute -> update until every request has finished. A pure-decode step is launched before
+        the tokens of the step it continues are read (it takes them on the device), so the host's work overlaps the
+        GPU's; a request that ends on a stop or EOS token then has had one more row computed, which is dropped."""
         cfg = self.config
         scheduler = Scheduler(BlockAllocator(self.cache.num_blocks), cfg.block_size, cfg.max_batch_tokens,
                               cfg.max_batch_size, cfg.prefix_sharing)
         for request in requests:
             scheduler.add(request)
-        while scheduler.has_work():
-            plan = scheduler.schedule()
-            if not plan:
-                raise RuntimeError("the scheduler could not place any request in the cache")
-            if self.runner.replays(plan):
-                self._run_decode_chain(scheduler, plan, bar)
-            else:
-                self._finish_step(scheduler, plan, *self.runner.step(plan), bar)
-
-    def _run_decode_chain(self, scheduler: Scheduler, plan: list, bar: tqdm) -> None:
-        """Pure-decode steps back to back: each step is launched before the tokens of the one before it are read
-        (it takes them on the device), so the host's work and the reads overlap the GPU's. A request that ends on
-        a stop or EOS token has had one more row computed in the step after: that row is dropped, and a waiting
-        request takes its place one step later than it would with steps run one at a time."""
-        launched = self.runner.launch(plan)
-        while True:
-            following = scheduler.plan_ahead(plan)
-            launched_next = self.runner.launch(following, ahead=True) if following else None
-            self._finish_step(scheduler, plan, *self.runner.collect(plan, launched), bar)
-            if following is None or launched_next.stale:    # stale: `plan` was redone (a TOP_K tie), so the step
-                return                                        # after it runs again from schedule()
-            if any(chunk.request.status is Status.FINISHED for chunk in following):
-                sampled, tokens, logprobs = self.runner.collect(following, launched_next)
-                live = [i for i, chunk in enumerate(following) if chunk.request.status is not Status.FINISHED]
-                self._finish_step(scheduler, [following[i] for i in live], [sampled[i] for i in live],
-                                  [tokens[i] for i in live], [logprobs[i] for i in live], bar)
-                return
-            plan, launched = following, launched_next
+        pending = None                                  # the step launched last, its tokens not read yet
+        while pending is not None or scheduler.has_work():
+            following = (scheduler.plan_ahead(pending.plan)
+                         if pending is not None and pending.keeps_tokens_on_device else None)
+            launched = self.runner.execute(following, after=pending) if following else None
+            if pending is not None:
+                self._update(scheduler, pending, bar)
+            if launched is None and scheduler.has_work():
+                plan = scheduler.schedule()
+                if not plan:
+                    raise RuntimeError("the scheduler could not place any request in the cache")
+                launched = self.runner.execute(plan)
+            pending = launched
 
     @staticmethod
-    def _finish_step(scheduler: Scheduler, plan: list, sampled: list[Request], tokens: list[int],
-                     logprobs: list[float], bar: tqdm) -> None:
-        """Append the sampled tokens, advance the scheduler, count progress."""
-        for request, token, logprob in zip(sampled, tokens, logprobs):
-            request.append(token, logprob)
-        for request in scheduler.finish_step(plan):
+    def _update(scheduler: Scheduler, output: StepOutput, bar: tqdm) -> None:
+        """Read a step's tokens into its requests and the scheduler; count progress."""
+        sampled, tokens, logprobs = output.result()
+        live = sum(request.status is not Status.FINISHED for request in sampled)
+        for request in scheduler.update(output.plan, sampled, tokens, logprobs):
             bar.update(request.params.max_new_tokens - len(request.output))
-        bar.update(len(sampled))
+        bar.update(live)
 
     def _check_fits(self, requests: list[Request]) -> None:
         """ValueError for a request longer than the model's learned positions or than the whole cache."""

@@ -10,13 +10,8 @@ import torch
 from transformers import PreTrainedModel
 
 from .attention import ATTN_IMPLEMENTATION
-from .graphs.rotary import rotary_tables_materialized
-from .patching import module_list
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers PreTrainedModel under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+from .patching import base_model, module_list
+from .rotary import rotary_tables_materialized
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -45,7 +40,7 @@ def _attention_setter(base: PreTrainedModel, modules: list[torch.nn.Module]) -> 
 @contextmanager
 def generation_mode(model: torch.nn.Module):
     """Run the model with paged attention, in eval and inference mode, its rotary tables computed once per compiled
-    step (`graphs.rotary`); restore every module's training flag, the attention implementation and the rotary
+    step (`rotary`); restore every module's training flag, the attention implementation and the rotary
     modules afterwards, also when the body raises. Yields the model's modules (`patching.module_list`), walked once
     for every use within the call."""
     base = base_model(model)

@@ -1,5 +1,5 @@
 """Module forwards swapped for the length of a block, and put back also when it raises; a model's modules listed
-in one quick walk."""
+in one quick walk; the transformers model under a PEFT wrapper."""
 
 from __future__ import annotations
 
@@ -38,3 +38,8 @@ def module_list(model: torch.nn.Module) -> list[torch.nn.Module]:
                 seen.add(id(child))
                 modules.append(child)
     return modules
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers PreTrainedModel under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -1,13 +1,14 @@
 """GPU sampling: greedy, temperature, top-k, top-p, min-p (HF order and semantics), counter-based noise, logprobs.
 
-The noise for request r at output position t and token v is a hash of (r's seed, t, v): the same request and
-seed give the same tokens whatever else is in the batch, and no generator state is carried between steps.
+The noise for request r at output position t and token v is a hash of (r's seed, t, v): it does not depend on what
+else is in the batch, and no generator state is carried between steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -40,6 +41,32 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
+class SamplerKind(Enum):
+    """The sampler of a step, the cheapest that serves every row (`sampler_kind`)."""
+
+    GREEDY = "greedy"
+    SAMPLE = "sample"            # unfiltered draws
+    CANDIDATES = "candidates"    # filters over the top CANDIDATES tokens: every sampling row has a small top_k
+    SORTED = "sorted"            # filters over the sorted vocabulary
+
+
+def candidate_top_k(top_k):
+    """Whether filters with this top_k (an int, or a tensor of them) run on the top CANDIDATES tokens: a top-k of at
+    most MAX_CANDIDATE_TOP_K (the rest of the vocabulary cannot pass it unless tied with the k-th value, which
+    sample() detects)."""
+    return (top_k > 0) & (top_k <= MAX_CANDIDATE_TOP_K)
+
+
+def sampler_kind(params) -> SamplerKind:
+    """The cheapest sampler for rows with these SamplingParams."""
+    sampled = [p for p in params if p.do_sample]
+    if not sampled:
+        return SamplerKind.GREEDY
+    if not any(p.filtered for p in sampled):
+        return SamplerKind.SAMPLE
+    return SamplerKind.CANDIDATES if all(candidate_top_k(p.top_k) for p in sampled) else SamplerKind.SORTED
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters for the S rows that sample this step (tensors on the logits' device)."""
@@ -51,53 +78,28 @@ class SamplingBatch:
     min_p: torch.Tensor         # float32 [S]
     seeds: torch.Tensor         # int64 [S]
     positions: torch.Tensor     # int64 [S], index of the token being sampled among the request's outputs
-    any_sample: bool
-    any_filter: bool
-    sort_vocabulary: bool = True   # False: every filtered row uses the candidates (uses_candidates)
+    kind: SamplerKind
 
 
-def candidate_top_k(top_k):
-    """Whether filters with this top_k (an int, or a tensor of them) run on the top CANDIDATES tokens: a top-k of at
-    most MAX_CANDIDATE_TOP_K (the rest of the vocabulary cannot pass it unless tied with the k-th value, which
-    sample() detects)."""
-    return (top_k > 0) & (top_k <= MAX_CANDIDATE_TOP_K)
+SAMPLING_COLUMNS = {"do_sample": torch.bool, "temperature": torch.float32, "top_k": torch.int64,
+                    "top_p": torch.float32, "min_p": torch.float32, "seeds": torch.int64, "positions": torch.int64}
 
 
-def uses_candidates(params) -> bool:
-    """Whether every sampling row is a candidate row, so no row needs the sorted vocabulary."""
-    sampled = [p for p in params if p.do_sample]
-    return bool(sampled) and all(candidate_top_k(p.top_k) for p in sampled)
-
-
-def sampling_columns(requests, ahead: int = 0) -> dict[str, tuple[list, torch.dtype]]:
-    """Host-side values of each SamplingBatch tensor for these requests (greedy rows get temperature 1), for the
-    token after their next one when `ahead` is 1."""
+def sampling_columns(requests, positions: list[int]) -> dict[str, list]:
+    """Host-side values of each SamplingBatch tensor for these requests sampling their outputs at `positions`
+    (greedy rows get temperature 1)."""
     params = [r.params for r in requests]
-    return {
-        "do_sample": ([p.do_sample for p in params], torch.bool),
-        "temperature": ([p.temperature if p.do_sample else 1.0 for p in params], torch.float32),
-        "top_k": ([p.top_k for p in params], torch.int64),
-        "top_p": ([float(p.top_p) for p in params], torch.float32),
-        "min_p": ([float(p.min_p) for p in params], torch.float32),
-        "seeds": ([r.seed for r in requests], torch.int64),
-        "positions": ([len(r.output) + ahead for r in requests], torch.int64),
-    }
-
-
-def sampling_batch(requests, device: torch.device) -> SamplingBatch:
-    """A SamplingBatch on `device` for the requests that sample this step."""
-    columns = {name: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-               for name, (values, dtype) in sampling_columns(requests).items()}
-    params = [r.params for r in requests]
-    return SamplingBatch(**columns, any_sample=any(p.do_sample for p in params),
-                         any_filter=any(p.filtered for p in params), sort_vocabulary=not uses_candidates(params))
+    return {"do_sample": [p.do_sample for p in params],
+            "temperature": [p.temperature if p.do_sample else 1.0 for p in params],
+            "top_k": [p.top_k for p in params], "top_p": [float(p.top_p) for p in params],
+            "min_p": [float(p.min_p) for p in params], "seeds": [r.seed for r in requests], "positions": positions}
 
 
 def sample_exactly(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """sample(), again with the sorted vocabulary when a top-k tie ran past the candidates (syncs)."""
     tokens, logprobs, tied = sample(logits, batch)
     if tied is not None and bool(tied.any()):
-        tokens, logprobs, _ = sample(logits, dataclasses.replace(batch, sort_vocabulary=True))
+        tokens, logprobs, _ = sample(logits, dataclasses.replace(batch, kind=SamplerKind.SORTED))
     return tokens, logprobs
 
 
@@ -107,18 +109,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes);
     greedy rows use temperature 1. Candidate rows (candidate_top_k) filter the top CANDIDATES tokens, the other
     filtered rows the sorted vocabulary; a candidate row whose top-k kept every candidate (values tied with the
-    k-th may lie beyond them) takes the sorted vocabulary's draw. Without batch.sort_vocabulary only candidates
-    are computed and `tied` (bool [S]) flags those rows, to be sampled again with sort_vocabulary=True
-    (sample_exactly); `tied` is None otherwise. Which path a row takes depends on its own parameters and logits
-    only, so a request draws the same tokens whatever else is in the batch. No host synchronisation.
+    k-th may lie beyond them) takes the sorted vocabulary's draw. The CANDIDATES sampler computes candidates only and
+    `tied` (bool [S]) flags those rows, to be sampled again with the SORTED sampler (sample_exactly); `tied` is None
+    otherwise. Which path a row takes depends on its own parameters and logits only, so a request's draw does not
+    depend on the other rows. No host synchronisation.
     """
-    scaled = logits.float() / batch.temperature[:, None] if batch.any_sample else logits.float()
+    greedy = batch.kind is SamplerKind.GREEDY
+    scaled = logits.float() if greedy else logits.float() / batch.temperature[:, None]
     tokens, tied = scaled.argmax(dim=-1), None
-    if batch.any_sample:
-        if batch.any_filter:
-            sampled, tied = _sample_filtered(scaled, batch)
-        else:
+    if not greedy:
+        if batch.kind is SamplerKind.SAMPLE:
             sampled = _gumbel_argmax(scaled, batch, None)
+        else:
+            sampled, tied = _sample_filtered(scaled, batch)
         tokens = torch.where(batch.do_sample, sampled, tokens)
     logprobs = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens, logprobs, tied
@@ -143,7 +146,7 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.
     tokens, tied = _filter_and_draw(values, order.gather(1, by_value), batch)
     candidate_rows = candidate_top_k(batch.top_k)
     tied &= batch.do_sample & candidate_rows & (values.shape[1] < vocab)
-    if not batch.sort_vocabulary:
+    if batch.kind is SamplerKind.CANDIDATES:
         return tokens, tied
     values, order = scaled.sort(dim=-1, descending=True, stable=True)
     full, _ = _filter_and_draw(values, order, batch)

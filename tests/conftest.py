@@ -65,6 +65,13 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     return out[0, len(prompt):].tolist()
 
 
+class StepLog(list):
+    """A driver observer (`SyncCBDriver(observer=...)`): every step's output (`runner.StepOutput`), in launch order."""
+
+    def __call__(self, output) -> None:
+        self.append(output)
+
+
 def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]

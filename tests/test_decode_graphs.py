@@ -8,37 +8,26 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.graphs.decode_graphs import (FILTERED, GREEDY, SAMPLE, TOP_K, DecodeGraphs, model_fingerprint,
-                                         model_logits, sampling_mode)
-from cb_sync.sampling import CANDIDATES, MAX_CANDIDATE_TOP_K
+from cb_sync.graphs import model_fingerprint
+from cb_sync.patching import module_list
+from cb_sync.runner import compiled
+from cb_sync.sampling import CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, sampler_kind
 
-from conftest import hf_greedy, make_model, random_prompts
-
-
-def _driver_with_static_path(model, **config):
-    driver = SyncCBDriver(model, CBConfig(**config))
-    driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, driver.config.max_batch_size, False)
-    driver.runner.graphs = driver.graphs
-    return driver
+from conftest import StepLog, hf_greedy, make_model, random_prompts
 
 
-def _record_launches(graphs) -> list:
-    """(rows, ahead, the launched step) of every step the graphs launch from now on."""
-    launches, launch = [], graphs.launch
-
-    def recorded(requests, ahead=False):
-        launches.append((len(requests), ahead, launch(requests, ahead)))
-        return launches[-1][2]
-    graphs.launch = recorded
-    return launches
+def _driver_with_static_path(model, steps: StepLog | None = None, **config):
+    """A driver whose pure-decode steps run the static-buffer path (captured graphs on CUDA) on the CPU."""
+    return SyncCBDriver(model, CBConfig(**config), static_decode=True, observer=steps)
 
 
-def _compiled_static_path(model, max_batch_size=4, **config):
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=max_batch_size, block_size=8, attn_backend="triton",
-                                          **config))
-    driver.graphs = DecodeGraphs(model, driver.cache, driver.backend, max_batch_size, compile_model=True)
-    driver.runner.graphs = driver.graphs
-    return driver
+def _replays(steps: StepLog) -> list:
+    return [step for step in steps if step.path == "replay"]
+
+
+def _compiled_static_path(model, max_batch_size=4, steps: StepLog | None = None, **config):
+    return SyncCBDriver(model, CBConfig(max_batch_size=max_batch_size, block_size=8, attn_backend="triton",
+                                        compile=True, **config), static_decode=True, observer=steps)
 
 
 def test_static_decode_path_matches_hf_greedy_on_every_architecture(arch):
@@ -52,10 +41,10 @@ def test_static_decode_path_matches_hf_greedy_on_every_architecture(arch):
 def test_static_decode_path_matches_hf_greedy():
     model = make_model("qwen3", lora=True)
     prompts = random_prompts([3, 20, 41, 9, 17])
-    driver = _driver_with_static_path(model, max_batch_size=8, block_size=8)
-    launches = _record_launches(driver.graphs)
+    steps = StepLog()
+    driver = _driver_with_static_path(model, steps, max_batch_size=8, block_size=8)
     results = driver.generate(prompts, [SamplingParams(max_new_tokens=n) for n in (12, 7, 10, 3, 9)])
-    assert max((rows, ahead) for rows, ahead, _ in launches) == (5, True)
+    assert max((len(step.plan), step.ahead) for step in _replays(steps)) == (5, True)
     for prompt, n, result in zip(prompts, (12, 7, 10, 3, 9), results):
         assert result.token_ids == hf_greedy(model, prompt, n)
 
@@ -75,7 +64,8 @@ def test_static_path_sampling_equals_eager_path():
 def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sampler):
     """Decode steps launched before the previous step's tokens are read: requests that end on a stop token (a
     row already computed past their end), others that wait for a place in the batch, and lengths that end the
-    chain; tokens, logprobs and finish reasons equal to the eager path's (greedy, sampling, TOP_K mode)."""
+    chain; tokens, logprobs and finish reasons equal to the eager path's (greedy, sampling, the candidates'
+    sampler)."""
     model = make_model("llama")
     prompts = random_prompts([5, 12, 30, 7, 19, 3])
     eager = SyncCBDriver(model, CBConfig(max_batch_size=3, block_size=4)).generate(
@@ -83,13 +73,12 @@ def test_steps_launched_ahead_drop_the_rows_of_requests_ended_by_a_stop_token(sa
     common = [t for t, _ in Counter(t for r in eager for t in r.token_ids[2:]).most_common(2)]
     params = [SamplingParams(max_new_tokens=n, seed=5, logprobs=True, stop_token_ids=common, **sampler)
               for n in (30, 9, 30, 4, 30, 17)]
-    driver = _driver_with_static_path(model, max_batch_size=3, block_size=4)
-    launches = _record_launches(driver.graphs)
-    static = driver.generate(prompts, params)
+    steps = StepLog()
+    static = _driver_with_static_path(model, steps, max_batch_size=3, block_size=4).generate(prompts, params)
     reference = SyncCBDriver(model, CBConfig(max_batch_size=3, block_size=4)).generate(prompts, params)
-    ahead = [ahead for _, ahead, _ in launches]
+    ahead = [step.ahead for step in _replays(steps)]
     assert sum(ahead) >= 5 and not all(ahead)
-    assert all(step.host.is_contiguous() for *_, step in launches)   # a copy into a strided view would be synchronous
+    assert all(step.host.is_contiguous() for step in _replays(steps))   # a strided host view: a synchronous copy
     assert any(r.finish_reason == "stop" and len(r.token_ids) < p.max_new_tokens for r, p in zip(static, params))
     assert [r.token_ids for r in static] == [r.token_ids for r in reference]
     assert [r.finish_reason for r in static] == [r.finish_reason for r in reference]
@@ -110,46 +99,43 @@ def test_steps_launched_ahead_match_the_eager_path_on_random_workloads(trial):
     params = [SamplingParams(max_new_tokens=randint(1, 25), seed=i, logprobs=True, eos_token_id=randint(0, 128),
                              stop_token_ids=[randint(0, 128)], **samplers[randint(0, 4)]) for i in range(len(prompts))]
     config = dict(max_batch_size=randint(2, 5), block_size=4, max_batch_tokens=randint(8, 64), num_blocks=16)
-    driver = _driver_with_static_path(model, **config)
-    launches = _record_launches(driver.graphs)
-    static = driver.generate(prompts, params)
+    steps = StepLog()
+    static = _driver_with_static_path(model, steps, **config).generate(prompts, params)
     reference = SyncCBDriver(model, CBConfig(**config)).generate(prompts, params)
-    assert any(ahead for _, ahead, _ in launches)
+    assert any(step.ahead for step in _replays(steps))
     assert [r.token_ids for r in static] == [r.token_ids for r in reference]
     assert [r.finish_reason for r in static] == [r.finish_reason for r in reference]
     for a, b in zip(static, reference):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
-def test_sampling_mode():
-    assert sampling_mode([SamplingParams()]) == GREEDY
-    assert sampling_mode([SamplingParams(), SamplingParams(do_sample=True)]) == SAMPLE
-    assert sampling_mode([SamplingParams(do_sample=True), SamplingParams(do_sample=True, min_p=0.1)]) == FILTERED
+def test_sampler_kind():
+    kind = SamplerKind
+    assert sampler_kind([SamplingParams()]) is kind.GREEDY
+    assert sampler_kind([SamplingParams(), SamplingParams(do_sample=True)]) is kind.SAMPLE
+    assert sampler_kind([SamplingParams(do_sample=True), SamplingParams(do_sample=True, min_p=0.1)]) is kind.SORTED
     grpo = SamplingParams(do_sample=True, temperature=0.1, top_k=5, top_p=0.97, min_p=0.5)
-    assert sampling_mode([grpo, SamplingParams()]) == TOP_K
-    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_k=MAX_CANDIDATE_TOP_K)]) == TOP_K
-    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_k=MAX_CANDIDATE_TOP_K + 1)]) == FILTERED
-    assert sampling_mode([grpo, SamplingParams(do_sample=True, top_p=0.9)]) == FILTERED
+    assert sampler_kind([grpo, SamplingParams()]) is kind.CANDIDATES
+    assert sampler_kind([grpo, SamplingParams(do_sample=True, top_k=MAX_CANDIDATE_TOP_K)]) is kind.CANDIDATES
+    assert sampler_kind([grpo, SamplingParams(do_sample=True, top_k=MAX_CANDIDATE_TOP_K + 1)]) is kind.SORTED
+    assert sampler_kind([grpo, SamplingParams(do_sample=True, top_p=0.9)]) is kind.SORTED
 
 
 def test_static_path_top_k_ties_past_the_candidates_sample_the_whole_tie():
     """All logits equal: top-k keeps the whole vocabulary, so the candidates' step is redone over the sorted
     vocabulary, as the eager path does, and draws reach tokens outside the first CANDIDATES. The step launched
-    ahead of a redone one read the tie's token: it is marked stale and run again."""
+    ahead of a redone one read the tie's token: it is marked stale and launched again."""
     model = make_model("llama")
     with torch.no_grad():
         model.lm_head.weight.zero_()
     prompts = random_prompts([5, 12, 30])
     params = [SamplingParams(max_new_tokens=40, do_sample=True, top_k=5, seed=s) for s in (1, 2, 3)]
-    driver = _driver_with_static_path(model)
-    modes = []
-    original = driver.graphs.step
-    driver.graphs.step = lambda bucket, mode: modes.append(mode) or original(bucket, mode)
-    launches = _record_launches(driver.graphs)
-    static = driver.generate(prompts, params)
+    steps = StepLog()
+    static = _driver_with_static_path(model, steps).generate(prompts, params)
     eager = SyncCBDriver(model).generate(prompts, params)
-    assert TOP_K in modes and FILTERED in modes
-    assert any(step.stale for *_, step in launches)
+    assert all(step.kind is SamplerKind.CANDIDATES for step in _replays(steps))
+    assert any(step.redone for step in _replays(steps))
+    assert any(step.relaunched for step in _replays(steps))
     assert [r.token_ids for r in static] == [r.token_ids for r in eager]
     assert len({t for r in static for t in r.token_ids}) > CANDIDATES
 
@@ -173,50 +159,44 @@ def test_a_request_draws_the_same_tokens_alone_and_next_to_one_needing_the_sorte
 def test_graphs_invalidated_by_storage_swap_and_width_not_by_in_place_update():
     model = make_model("qwen3", lora=True)
     driver = _driver_with_static_path(model)
-    params = SamplingParams(max_new_tokens=4)
+    replay, params = driver.runner.replay, SamplingParams(max_new_tokens=4)
     driver.generate(random_prompts([6, 6]), params)
-    captured = dict(driver.graphs.graphs)
+    captured = dict(replay.graphs.graphs)
     assert captured
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.0)                                  # in place: same storage, graphs kept
     driver.generate(random_prompts([6, 6]), params)
-    assert driver.graphs.graphs == captured
+    assert replay.graphs.graphs == captured
     layer = model.get_base_model().model.layers[0].mlp.down_proj
-    before = model_fingerprint(model)
+    before = model_fingerprint(module_list(model))
     layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone())   # new storage
-    assert model_fingerprint(model) != before
+    assert model_fingerprint(module_list(model)) != before
     result = driver.generate(random_prompts([6, 6]), params)
-    assert driver.graphs.graphs and all(driver.graphs.graphs[k] is not captured[k]
-                                                         for k in driver.graphs.graphs if k in captured)
+    assert replay.graphs.graphs and all(replay.graphs.graphs[k] is not captured[k]
+                                        for k in replay.graphs.graphs if k in captured)
     assert result[0].token_ids == hf_greedy(model, random_prompts([6, 6])[0], 4)
-    width = driver.graphs.width
+    width = replay.width
     driver.generate(random_prompts([6]), SamplingParams(max_new_tokens=width * 16))
-    assert driver.graphs.width > width
+    assert replay.width > width
 
 
 def test_adapter_switch_changes_fingerprint():
     model = make_model("llama", lora=True)
-    before = model_fingerprint(model)
+    before = model_fingerprint(module_list(model))
     with model.disable_adapter():
-        assert model_fingerprint(model) != before
-    assert model_fingerprint(model) == before
+        assert model_fingerprint(module_list(model)) != before
+    assert model_fingerprint(module_list(model)) == before
 
 
-def _record_compiled_steps(driver) -> list:
-    """For every step the driver runs uncaptured: [its chunks as (length, samples, is a decode row), its logits from
-    the compiled function (None: it ran eagerly)]."""
-    steps, step, logits = [], driver.runner.step, driver.graphs.logits
+class UncapturedSteps(list):
+    """A driver observer: for every step run uncaptured, (its chunks as (length, samples, is a decode row), whether
+    it ran through the compiled function)."""
 
-    def recorded_step(plan):
-        steps.append([[(c.length, c.samples, c.start >= len(c.request.prompt)) for c in plan], None])
-        return step(plan)
-
-    def recorded_logits(*args):
-        steps[-1][1] = logits(*args)
-        return steps[-1][1]
-    driver.runner.step, driver.graphs.logits = recorded_step, recorded_logits
-    return steps
+    def __call__(self, step) -> None:
+        if step.path != "replay":
+            self.append(([(c.length, c.samples, c.start >= len(c.request.prompt)) for c in step.plan],
+                         step.path == "compiled"))
 
 
 def _step_kind(chunks) -> str:
@@ -243,13 +223,14 @@ def test_compiled_decode_step_compiles_once_for_all_buckets_drivers_and_prefill_
                                                          ([37], 4, 16, 6), ([1, 1, 1, 40], 5, 4, 6),
                                                          ([2, 40], 6, 8, 6), ([40], 7, 2048, 1)):
         prompts = random_prompts(lengths, seed=seed)
-        driver = _compiled_static_path(model, max_batch_size=8, max_batch_tokens=max_batch_tokens)
-        steps = _record_compiled_steps(driver)
+        steps = UncapturedSteps()
+        driver = _compiled_static_path(model, 8, steps, max_batch_tokens=max_batch_tokens)
         results = driver.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
-        assert driver.graphs.buckets == [2, 4, 8]
+        assert driver.runner.replay.buckets == [2, 4, 8]
         assert [r.token_ids for r in results] == [hf_greedy(model, p, new_tokens) for p in prompts]
-        assert steps and all(logits is not None for _, logits in steps)
-        assert {mode for _, mode in driver.graphs.graphs} == ({GREEDY} if new_tokens > 1 else set())
+        assert steps and all(compiled_step for _, compiled_step in steps)
+        samplers = {sampler for _, sampler in driver.runner.replay.graphs.graphs}
+        assert samplers == ({SamplerKind.GREEDY} if new_tokens > 1 else set())
         kinds.update(_step_kind(chunks) for chunks, _ in steps)
     assert kinds == {"prefill of several requests", "one request's chunk", "one request's chunk that samples nothing",
                      "one token a request, with decode rows", "chunks and decode rows"}
@@ -263,13 +244,13 @@ def test_compiled_bucket_of_one_leaves_the_other_steps_eager():
     from torch._dynamo.utils import counters
     model = make_model("qwen3", lora=True)
     before = counters["stats"]["unique_graphs"]
-    driver = _compiled_static_path(model, max_batch_size=1, max_batch_tokens=16)
-    steps = _record_compiled_steps(driver)
+    steps = UncapturedSteps()
+    driver = _compiled_static_path(model, 1, steps, max_batch_tokens=16)
     prompts = random_prompts([37, 5])
     results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
-    assert driver.graphs.buckets == [1] and driver.graphs.compiled
-    assert len(steps) >= 4 and all(logits is None for _, logits in steps)
+    assert driver.runner.replay.buckets == [1] and driver.runner.replay.forward.active
+    assert len(steps) >= 4 and not any(compiled_step for _, compiled_step in steps)
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
@@ -283,7 +264,7 @@ def test_compiled_step_from_embeddings_matches_hf_greedy(name):
     prompts = random_prompts([3, 20, 41])
     driver = _compiled_static_path(model)
     results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
-    assert driver.graphs.compiled and driver.graphs.from_embeddings
+    assert driver.runner.replay.forward.active and driver.runner.replay.forward.from_embeddings
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
 
 
@@ -301,27 +282,27 @@ def test_graphs_recaptured_when_the_autocast_state_changes():
     """A graph records the dtypes autocast chose at capture: a call under another autocast state captures anew."""
     model = make_model("llama")
     driver = _driver_with_static_path(model)
-    params = SamplingParams(max_new_tokens=3)
+    graphs, params = driver.runner.replay.graphs, SamplingParams(max_new_tokens=3)
     driver.generate(random_prompts([6, 6]), params)
-    captured = dict(driver.graphs.graphs)
+    captured = dict(graphs.graphs)
     driver.generate(random_prompts([6, 6]), params)
-    assert driver.graphs.graphs == captured
+    assert graphs.graphs == captured
     with torch.autocast("cpu", dtype=torch.bfloat16):
         driver.generate(random_prompts([6, 6]), params)
-    assert captured and all(driver.graphs.graphs[k] is not captured[k] for k in captured)
+    assert captured and all(graphs.graphs[k] is not captured[k] for k in captured)
 
 
-def test_a_failing_compile_warns_and_leaves_the_step_uncompiled():
+def test_a_failing_compile_warns_and_leaves_the_step_uncompiled(monkeypatch):
     model = make_model("qwen3", lora=True)
     driver = _compiled_static_path(model)
 
     def graph_break(*args):
         raise torch._dynamo.exc.Unsupported("graph break")
-    driver.graphs.forward = graph_break
+    monkeypatch.setattr(compiled, "_compiled_model_logits", lambda: graph_break)
     prompts = random_prompts([5, 9, 14])
     with pytest.warns(RuntimeWarning, match="compile of the decode step failed"):
         results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
-    assert not driver.graphs.compiled and driver.graphs.forward is model_logits
+    assert not driver.runner.replay.forward.active
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
 
 
@@ -339,7 +320,7 @@ def test_compiled_step_starts_from_ids_when_embeddings_alone_change_the_logits()
     driver = _compiled_static_path(model)
     prompts = random_prompts([5, 9, 14])
     results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
-    assert driver.graphs.compiled and driver.graphs.from_embeddings is False
+    assert driver.runner.replay.forward.active and driver.runner.replay.forward.from_embeddings is False
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
 
 
@@ -360,7 +341,7 @@ def test_compiled_forward_computes_the_rotary_tables_once():
     """Inductor would evaluate cos/sin inside each layer's query and key kernels; with the tables materialized
     one kernel computes them. Eager calls return the module's own tables, nesting wraps once, and the forward is
     restored."""
-    from cb_sync.graphs.rotary import rotary_tables_materialized
+    from cb_sync.rotary import rotary_tables_materialized
     model = make_model("qwen3")
     rotary = model.model.rotary_emb
     ids = torch.tensor([[3, 1, 4, 1, 5]])

@@ -11,7 +11,7 @@ from cb_sync.attention import ATTN_IMPLEMENTATION
 from cb_sync.model_state import generation_mode
 from cb_sync.patching import module_list
 
-from conftest import VOCAB, hf_greedy, make_model, random_prompts
+from conftest import VOCAB, StepLog, hf_greedy, make_model, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +31,10 @@ def test_empty_call_returns_empty(model):
     (["hello"], "request 0: a prompt must be a list of token ids"),
 ])
 def test_bad_prompts_raise_before_any_work(model, prompts, match):
-    driver = SyncCBDriver(model)
-    calls = []
-    driver.runner.step = lambda plan: calls.append(plan)
+    steps = StepLog()
     with pytest.raises(ValueError, match=match):
-        driver.generate(prompts, SamplingParams(max_new_tokens=2))
-    assert calls == []
+        SyncCBDriver(model, observer=steps).generate(prompts, SamplingParams(max_new_tokens=2))
+    assert steps == []
 
 
 def test_request_that_cannot_fit_the_cache_raises(model):
@@ -76,21 +74,21 @@ def test_state_restored_after_call_and_after_error():
     model.base_model.model.model.layers[0].eval()          # a mixed pattern of flags must survive
     flags = [m.training for m in model.modules()]
     impl = model.get_base_model().config._attn_implementation
-    driver = SyncCBDriver(model)
+    failing = []
+
+    def observer(step):
+        if failing:
+            raise RuntimeError("boom")
+    driver = SyncCBDriver(model, observer=observer)
     driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))
     assert [m.training for m in model.modules()] == flags
     assert model.get_base_model().config._attn_implementation == impl
-
-    def boom(plan):
-        raise RuntimeError("boom")
-
-    original = driver.runner.step
-    driver.runner.step = boom
+    failing.append(True)
     with pytest.raises(RuntimeError, match="boom"):
         driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))
     assert [m.training for m in model.modules()] == flags
     assert model.get_base_model().config._attn_implementation == impl
-    driver.runner.step = original
+    failing.clear()
     assert len(driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))[0].token_ids) == 3
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver  # noqa: E402
 from cb_sync.attention import sdpa_paged, triton_kernels  # noqa: E402
-from cb_sync.graphs.decode_graphs import DecodeGraphs  # noqa: E402
+from cb_sync.tuning import AttentionTuning, KernelTuning  # noqa: E402
 
 from conftest import make_model, random_prompts  # noqa: E402
 from test_triton_kernels import make_batch, reference  # noqa: E402
@@ -49,10 +49,9 @@ def random_case(rng: random.Random) -> dict:
                 softcap=rng.choice([None, None, 0.5, 3.0, 30.0]), skip=[rng.random() < 0.2 for _ in seq_lens])
 
 
-def run_case(seed: int, monkeypatch) -> None:
+def run_case(seed: int) -> None:
     case = random_case(random.Random(seed))
-    monkeypatch.setattr(triton_kernels, "PARTITION_SIZE", case["partition_size"])
-    monkeypatch.setattr(triton_kernels, "DECODE_BLOCK_N", case["block_n"])
+    tuning = AttentionTuning(partition_size=case["partition_size"], decode_block_n=case["block_n"])
     gen = torch.Generator().manual_seed(seed)
     bs, width, seq_lens = case["block_size"], case["width"], case["seq_lens"]
     hq, hkv, d, num_reqs = case["num_heads"], case["num_kv_heads"], case["head_dim"], len(seq_lens)
@@ -78,7 +77,7 @@ def run_case(seed: int, monkeypatch) -> None:
     for _ in range(2):                       # twice: the first launch must leave its arrival counters at zero
         out_caches = [c.clone() for c in caches]
         out = triton_kernels.paged_attention(query, *out_caches, tables, lens, starts, d ** -0.5, case["window"],
-                                             case["softcap"], new_kv=(key, value, slots))
+                                             case["softcap"], new_kv=(key, value, slots), tuning=tuning)
         assert counters_zero(), case
         assert torch.equal(out_caches[0], ref_caches[0]) and torch.equal(out_caches[1], ref_caches[1]), case
         torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4, msg=lambda m: f"{case}\n{m}")
@@ -107,23 +106,22 @@ def shuffled_programs(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(CASES))
-def test_fused_decode_matches_store_then_attend(seed, monkeypatch):
-    run_case(seed, monkeypatch)
+def test_fused_decode_matches_store_then_attend(seed):
+    run_case(seed)
 
 
 @interpreted
 @pytest.mark.parametrize("seed", range(CASES))
-def test_fused_decode_in_any_program_order(seed, monkeypatch, shuffled_programs):
-    run_case(10_000 + seed, monkeypatch)
+def test_fused_decode_in_any_program_order(seed, shuffled_programs):
+    run_case(10_000 + seed)
 
 
 @interpreted
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
-def test_prefix_shared_requests_decode_in_any_program_order(arch, monkeypatch, shuffled_programs):
+def test_prefix_shared_requests_decode_in_any_program_order(arch, shuffled_programs):
     """GRPO-style copies sharing prompt blocks, the static decode path (steps launched ahead), contexts over several
     partitions, programs in a random order: a decode slot that another request reads would change the tokens."""
-    monkeypatch.setattr(triton_kernels, "PARTITION_SIZE", 16)
-    monkeypatch.setattr(triton_kernels, "DECODE_BLOCK_N", 16)
+    tuning = KernelTuning(attention=AttentionTuning(partition_size=16, decode_block_n=16))
     model = make_model(arch)
     base = random_prompts([21, 9])
     prompts = [base[0]] * 3 + [base[0][:17] + base[1][:4]] + [base[1]] * 2
@@ -131,8 +129,8 @@ def test_prefix_shared_requests_decode_in_any_program_order(arch, monkeypatch, s
     tokens = {}
     for backend in ("sdpa_paged", "triton"):
         driver = SyncCBDriver(model, CBConfig(attn_backend=backend, block_size=4, max_batch_tokens=64,
-                                              max_batch_size=8, prefix_sharing=True))
-        driver.graphs = driver.runner.graphs = DecodeGraphs(model, driver.cache, driver.backend, 8, False)
+                                              max_batch_size=8, prefix_sharing=True, tuning=tuning),
+                              static_decode=True)
         tokens[backend] = [r.token_ids for r in driver.generate(prompts, params)]
     assert tokens["triton"] == tokens["sdpa_paged"]
     assert counters_zero()
@@ -141,12 +139,13 @@ def test_prefix_shared_requests_decode_in_any_program_order(arch, monkeypatch, s
 def test_a_context_past_the_block_table_leaves_no_counter_behind(monkeypatch):
     """seq_len past block_tables.shape[1] * block_size (past the last partition): wrong for that call, but the
     arrival counters must come back to zero, or every later launch for that (request, kv head) never combines."""
-    monkeypatch.setattr(triton_kernels, "PARTITION_SIZE", 16)
     monkeypatch.setattr(triton_kernels, "_ARRIVALS", {})      # counters of this test's own (the others' untouched)
+    tuning = AttentionTuning(partition_size=16)
     torch.manual_seed(0)
     bad = make_batch([1], [32], 4, 2, head_dim=16, block_size=16, spare_blocks=0)    # 2 partitions of 16
     bad["seq_lens"] = torch.tensor([40], dtype=torch.int32, device=DEVICE)            # claims 3
-    triton_kernels.paged_attention(**bad)
+    triton_kernels.paged_attention(**bad, tuning=tuning)
     assert counters_zero()
     good = make_batch([1], [20], 4, 2, head_dim=16, block_size=16, spare_blocks=0)
-    torch.testing.assert_close(triton_kernels.paged_attention(**good), reference(good), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(triton_kernels.paged_attention(**good, tuning=tuning), reference(good), atol=1e-4,
+                               rtol=1e-4)

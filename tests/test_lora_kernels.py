@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 peft = pytest.importorskip("peft")
 
 from cb_sync.lora import fast_forward, kernels, lora_kernels  # noqa: E402
+from cb_sync.tuning import LoraTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,11 +28,11 @@ def lora_stack(in_features, out_features, r, dtype=torch.float32, adapter_dtype=
     return model.eval(), model.base_model.model[0]
 
 
-def peft_and_kernel(model, layer, x):
+def peft_and_kernel(model, layer, x, tuning=LoraTuning()):
     """The layer's output from PEFT's forward, then with the kernel swapped in."""
     with torch.no_grad():
         expected = layer(x)
-        with lora_kernels(model):
+        with lora_kernels(model, tuning=tuning):
             return expected, layer(x)
 
 
@@ -55,12 +56,11 @@ def spy(monkeypatch):
 
 
 @pytest.mark.parametrize("rows, in_features, out_features, r", [(1, 40, 24, 4), (5, 300, 70, 8), (19, 96, 130, 32),
-                                                               (kernels.LARGE_ROWS + 37, 200, 70, 8)])
-def test_kernel_matches_peft_fp32(rows, in_features, out_features, r, spy, monkeypatch):
-    monkeypatch.setattr(fast_forward, "HOST_BOUND_ROWS", range(0))
+                                                               (LoraTuning().large_rows + 37, 200, 70, 8)])
+def test_kernel_matches_peft_fp32(rows, in_features, out_features, r, spy):
     model, layer = lora_stack(in_features, out_features, r)
     x = torch.randn(1, rows, in_features, device=DEVICE)
-    expected, got = peft_and_kernel(model, layer, x)
+    expected, got = peft_and_kernel(model, layer, x, LoraTuning(host_bound_min_rows=0, host_bound_max_rows=0))
     assert spy == [rows]
     assert got.shape == expected.shape and got.dtype == expected.dtype
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -77,11 +77,10 @@ def test_kernel_rounds_like_peft_with_bf16_adapters():
 
 
 def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy, monkeypatch):
-    monkeypatch.setattr(fast_forward, "HOST_BOUND_ROWS", range(4, 6))
     monkeypatch.setattr(fast_forward, "KERNEL_MAX_ELEMENTS", 7 * 32)
     model, layer = lora_stack(32, 16, 4, dropout=0.5)
     x = torch.randn(6, 32, device=DEVICE)
-    with torch.no_grad(), lora_kernels(model):
+    with torch.no_grad(), lora_kernels(model, tuning=LoraTuning(host_bound_min_rows=4, host_bound_max_rows=6)):
         layer.train()                                  # active dropout: PEFT's forward
         layer(x)
         layer.eval()
@@ -115,9 +114,10 @@ def test_partials_are_summed_over_every_k_split(split_k, block_k):
     torch.testing.assert_close(got, base + 0.5 * (x @ lora_a.T) @ lora_b.T, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("split_k, block_k", [(96, 64), (48, 48), (64, 8), (None, 2 * kernels.SHRINK_SPLIT_K)])
+@pytest.mark.parametrize("split_k, block_k", [(96, 64), (48, 48), (64, 8), (None, 2 * LoraTuning().shrink_split_k)])
 def test_tiles_that_would_miscount_features_are_refused(split_k, block_k):
-    """Explicit splits, and the split chosen for 2 rows (SHRINK_SPLIT_K), that block_k does not divide."""
+    """Explicit splits, and the split chosen for 2 rows (the tuning's shrink_split_k), that block_k does not
+    divide."""
     x = torch.randn(2, 200, device=DEVICE)
     with pytest.raises(ValueError, match="block_k"):
         kernels.lora_add(x, torch.zeros(2, 4, device=DEVICE), torch.randn(4, 200, device=DEVICE),
@@ -142,7 +142,7 @@ def test_kernel_matches_peft_at_4b_sizes_bf16_model_fp32_adapter(rows, in_featur
     x = torch.randn(rows, in_features, device=DEVICE, dtype=torch.bfloat16)
     expected, got = peft_and_kernel(model, layer, x)
     diff = (got.float() - expected.float()).abs()
-    # the kernel's base GEMM (rows <= FUSED_BASE_MAX_ROWS) sums in another order than cuBLAS: PEFT's bf16-rounded
+    # the kernel's base GEMM (rows <= fused_base_max_rows) sums in another order than cuBLAS: PEFT's bf16-rounded
     # base may differ by one step of the base's magnitude, which survives a small delta's add
     with torch.no_grad():
         base = layer.base_layer(x).float().abs()
@@ -216,21 +216,20 @@ BASE_MODES = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.
 
 @pytest.mark.parametrize("base", list(BASE_MODES))
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
-def test_projections_that_share_an_input_take_one_launch_pair(arch, base, spy, monkeypatch):
+def test_projections_that_share_an_input_take_one_launch_pair(arch, base, spy):
     """q/k/v and gate/up: the first member called computes all of them (one kernel call), the others take their
     outputs; the whole model's logits match PEFT's forward, with the base GEMMs (Qwen2: with q/k/v biases) in the
     kernel's expand launch, split over K in its shrink launch (2 splits of 64 input features, 4 of 128), or by
     torch."""
     mode = BASE_MODES[base]
-    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_ROWS", 0 if mode is None else kernels.FUSED_BASE_MAX_ROWS)
-    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if mode == kernels.GEMM_BASE else 10**9)
-    monkeypatch.setattr(kernels, "SHRINK_BLOCK_K", 32)
-    monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (32, 32))
+    tuning = LoraTuning(fused_base_max_rows=0 if mode is None else LoraTuning().fused_base_max_rows,
+                        gemm_base_min_columns=1 if mode == kernels.GEMM_BASE else 10**9, shrink_block_k=32,
+                        summed_base_split_k=32, summed_base_block_n=32)
     model = _decoder_with_lora(arch)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]], device=DEVICE)
     with torch.no_grad():
         expected = model(ids).logits
-        with lora_kernels(model):
+        with lora_kernels(model, tuning=tuning):
             got = model(ids).logits
     layers = model.config.num_hidden_layers
     assert sorted(spy) == [7] * (4 * layers)          # per layer: q/k/v, o, gate/up, down
@@ -273,15 +272,14 @@ def test_group_kernel_matches_each_member_alone():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("base", ["gemm_in_expand", "split_k_in_shrink", "torch_for_long_inputs",
                                   "torch_for_long_inputs_of_wide_groups"])
-def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy, monkeypatch):
+def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy):
     """lora_linear_group = nn.Linear's x W^T + b, then lora_add_group, for three members of different widths and
     ranks over two row tiles; the base GEMMs in the expand launch, over five K splits and several column tiles in
-    the shrink launch, or (inputs wider than FUSED_BASE_MAX_K, or GEMM_BASE_MAX_K for wide groups) by torch."""
+    the shrink launch, or (inputs wider than fused_base_max_k, or gemm_base_max_k for wide groups) by torch."""
     wide = base in ("gemm_in_expand", "torch_for_long_inputs_of_wide_groups")
-    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 1 if wide else 10**9)
-    monkeypatch.setattr(kernels, "SUMMED_BASE_TILES", (kernels.SHRINK_BLOCK_K, 32))
-    monkeypatch.setattr(kernels, "FUSED_BASE_MAX_K", 599 if base == "torch_for_long_inputs" else 4096)
-    monkeypatch.setattr(kernels, "GEMM_BASE_MAX_K", 599 if base == "torch_for_long_inputs_of_wide_groups" else 4096)
+    tuning = LoraTuning(gemm_base_min_columns=1 if wide else 10**9, summed_base_split_k=LoraTuning().shrink_block_k,
+                        summed_base_block_n=32, fused_base_max_k=599 if base == "torch_for_long_inputs" else 4096,
+                        gemm_base_max_k=599 if base == "torch_for_long_inputs_of_wide_groups" else 4096)
     torch.manual_seed(1)
     x = torch.randn(19, 600, device=DEVICE)
     shapes = [(70, 8), (24, 4), (130, 16)]
@@ -290,7 +288,7 @@ def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy, monkeypatc
     lora_as = [torch.randn(r, 600, device=DEVICE) for _, r in shapes]
     lora_bs = [torch.randn(n, r, device=DEVICE) for n, r in shapes]
     scalings = [0.5, 2.0, 1.5]
-    got = kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, scalings)
+    got = kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, scalings, tuning=tuning)
     bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * 3)]
     expected = kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings)
     modes = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.SUMMED_BASE,
@@ -302,17 +300,17 @@ def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy, monkeypatc
         kernels.lora_linear_group(x, weights, biases[:1] or weights[:1], lora_as, lora_bs, scalings)
 
 
-def test_shared_input_hand_off_compiles_to_one_graph(monkeypatch):
+def test_shared_input_hand_off_compiles_to_one_graph():
     """Under torch.compile (dynamic sizes, fullgraph) the hand-off between siblings traces without a graph break
     or a recompile, and the compiled forward equals the uncompiled one (q/k/v and gate/up with the base GEMMs in
     the expand launch, o and down split over K in the shrink launch)."""
     import torch._dynamo.testing
-    monkeypatch.setattr(kernels, "GEMM_BASE_MIN_COLUMNS", 100)     # tiny model: q/k/v 128 columns, o 64
+    tuning = LoraTuning(gemm_base_min_columns=100)     # tiny model: q/k/v 128 columns, o 64
     model = _decoder_with_lora()
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(lambda ids: model(ids).logits, backend=counter, fullgraph=True, dynamic=True)
-    with torch.no_grad(), lora_kernels(model):
-        for length in (3, 5, kernels.FUSED_BASE_MAX_ROWS + 3):     # both sides of the kernel's own row limit
+    with torch.no_grad(), lora_kernels(model, tuning=tuning):
+        for length in (3, 5, tuning.fused_base_max_rows + 3):     # both sides of the kernel's own row limit
             ids = torch.randint(0, 100, (1, length), device=DEVICE)
             torch.testing.assert_close(compiled(ids), model(ids).logits, atol=1e-6, rtol=1e-6)
     assert counter.frame_count == 1
@@ -399,11 +397,12 @@ def test_inputs_that_want_gradients_and_fp64_keep_peft_forward(spy):
     assert spy == []
 
 
-def test_layer_probe_variants_set_kernel_constants_and_restore_them():
-    """`benchmarks.lora_layers` variants ("kernels:NAME=V,PDL=0") patch the module only inside their block."""
-    from benchmarks.lora_layers import _patched
-    pdl, columns, tiles = kernels._pdl, kernels.EXPAND_BLOCK_N, kernels.SUMMED_BASE_TILES
-    with _patched(kernels, "EXPAND_BLOCK_N=32,SUMMED_BASE_TILES=1024x32,PDL=0"):
-        assert kernels.EXPAND_BLOCK_N == 32 and not kernels._pdl(torch.device(DEVICE))
-        assert kernels.SUMMED_BASE_TILES == (1024, 32)
-    assert kernels.EXPAND_BLOCK_N == columns and kernels.SUMMED_BASE_TILES == tiles and kernels._pdl is pdl
+def test_layer_probe_variants_set_a_tuning_and_restore_the_launch_mode():
+    """`benchmarks.lora_layers` variants ("kernels:name=V,PDL=0") give a tuning; PDL=0 turns programmatic dependent
+    launch off only inside their block."""
+    from benchmarks.lora_layers import _variant
+    pdl = kernels._pdl
+    with _variant(kernels, "expand_block_n=32,summed_base_block_n=32,PDL=0") as tuning:
+        assert tuning == LoraTuning(expand_block_n=32, summed_base_block_n=32)
+        assert not kernels._pdl(torch.device(DEVICE))
+    assert kernels._pdl is pdl

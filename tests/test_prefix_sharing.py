@@ -4,21 +4,13 @@ from __future__ import annotations
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 
-from conftest import hf_greedy, make_model, random_prompts
+from conftest import StepLog, hf_greedy, make_model, random_prompts
 
 
-def _prefill_tokens(driver, prompts, params):
-    counted = []
-    original = driver.runner.step
-
-    def spy(plan):
-        counted.append(sum(min(c.length, max(len(c.request.prompt) - c.start, 0)) for c in plan))
-        return original(plan)
-
-    driver.runner.step = spy
-    results = driver.generate(prompts, params)
-    driver.runner.step = original
-    return sum(counted), results
+def _prefill_tokens(model, config, prompts, params):
+    steps = StepLog()
+    results = SyncCBDriver(model, config, observer=steps).generate(prompts, params)
+    return sum(min(c.length, max(len(c.request.prompt) - c.start, 0)) for step in steps for c in step.plan), results
 
 
 def test_group_prompt_is_prefilled_once():
@@ -27,10 +19,9 @@ def test_group_prompt_is_prefilled_once():
     other = random_prompts([21], seed=5)[0]
     prompts = [prompt] * 4 + [other] * 2
     params = SamplingParams(max_new_tokens=6)
-    shared = SyncCBDriver(model, CBConfig(block_size=8, max_batch_tokens=256))
-    tokens_shared, results = _prefill_tokens(shared, prompts, params)
-    private = SyncCBDriver(model, CBConfig(block_size=8, max_batch_tokens=256, prefix_sharing=False))
-    tokens_private, baseline = _prefill_tokens(private, prompts, params)
+    tokens_shared, results = _prefill_tokens(model, CBConfig(block_size=8, max_batch_tokens=256), prompts, params)
+    tokens_private, baseline = _prefill_tokens(model, CBConfig(block_size=8, max_batch_tokens=256,
+                                                               prefix_sharing=False), prompts, params)
     assert tokens_private == 4 * 40 + 2 * 21
     assert tokens_shared == 40 + 3 * (40 - 32) + 21 + (21 - 16)
     expected = [hf_greedy(model, p, 6) for p in (prompt, other)]

@@ -8,18 +8,21 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.sampling import CANDIDATES, MAX_CANDIDATE_TOP_K, SamplingBatch, _filter_and_draw, sample, sample_exactly
+from cb_sync.sampling import (CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, SamplingBatch, _filter_and_draw, sample,
+                              sample_exactly)
 
 from conftest import make_model, random_prompts
 
 
-def _batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, sort_vocabulary=True):
+def _batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, candidates=False):
+    """Sampling rows; candidates: the CANDIDATES sampler (else SORTED where filtered, SAMPLE otherwise)."""
+    filtered = bool(top_k or top_p < 1 or min_p > 0)
     return SamplingBatch(
         do_sample=torch.ones(rows, dtype=torch.bool), temperature=torch.full((rows,), temperature),
         top_k=torch.full((rows,), top_k), top_p=torch.full((rows,), top_p), min_p=torch.full((rows,), min_p),
         seeds=torch.arange(rows) if seeds is None else seeds,
         positions=torch.zeros(rows, dtype=torch.int64) if positions is None else positions,
-        any_sample=True, any_filter=bool(top_k or top_p < 1 or min_p > 0), sort_vocabulary=sort_vocabulary)
+        kind=SamplerKind.CANDIDATES if candidates else SamplerKind.SORTED if filtered else SamplerKind.SAMPLE)
 
 
 def _hf_allowed(logits, temperature, top_k, top_p, min_p):
@@ -152,7 +155,7 @@ def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, 
         logits = logits.bfloat16().float()
     for step in range(3):
         batch = _batch(rows, temperature, top_k, top_p, min_p, positions=torch.full((rows,), step),
-                       sort_vocabulary=False)
+                       candidates=True)
         fast, _, tied = sample(logits, batch)
         assert not tied.any()
         scaled = logits / temperature
@@ -169,7 +172,7 @@ def test_candidate_rows_stay_in_hf_allowed_set(sort_vocabulary):
     allowed, _ = _hf_allowed(logits, 0.1, 5, 0.97, 0.5)
     for step in range(10):
         tokens, _ = sample_exactly(logits, _batch(64, 0.1, 5, 0.97, 0.5, positions=torch.full((64,), step),
-                                                  sort_vocabulary=sort_vocabulary))
+                                                  candidates=not sort_vocabulary))
         assert allowed[torch.arange(64), tokens].all()
 
 
@@ -177,7 +180,7 @@ def test_top_k_ties_past_the_candidates_are_flagged_and_sampled_from_the_whole_t
     rows, tie = 2000, 3 * CANDIDATES
     logits = torch.randn(rows, 1000)
     logits[:, 100:100 + tie] = 10.0           # HF's top-k with k=5 keeps every token tied with the 5th
-    batch = _batch(rows, top_k=5, seeds=torch.arange(rows), sort_vocabulary=False)
+    batch = _batch(rows, top_k=5, seeds=torch.arange(rows), candidates=True)
     _, _, tied = sample(logits, batch)
     assert tied.all()
     tokens, _ = sample_exactly(logits, batch)
@@ -190,7 +193,7 @@ def test_a_row_draws_the_same_whatever_path_the_other_rows_need():
     """A candidate row next to a row that needs the sorted vocabulary (top_k 0) draws what it draws alone."""
     torch.manual_seed(0)
     logits = (torch.randn(2, 5000) * 3).bfloat16().float()
-    alone = _batch(1, 1.0, 20, 0.5, 0.0, seeds=torch.tensor([7]), sort_vocabulary=False)
+    alone = _batch(1, 1.0, 20, 0.5, 0.0, seeds=torch.tensor([7]), candidates=True)
     mixed = _batch(2, 1.0, 20, 0.5, 0.0, seeds=torch.tensor([7, 8]))
     mixed.top_k[1] = 0
     for step in range(50):
@@ -212,7 +215,7 @@ def test_candidate_rows_take_the_candidates_draw_when_the_batch_also_sorts(monke
     torch.manual_seed(0)
     logits = torch.randn(3, 5000) * 3
     logits[2, 100:100 + 2 * CANDIDATES] = 20.0          # row 2: a top-k tie past the candidates
-    alone, _, _ = sample(logits[:1], _batch(1, 1.0, 20, 0.5, sort_vocabulary=False))
+    alone, _, _ = sample(logits[:1], _batch(1, 1.0, 20, 0.5, candidates=True))
     monkeypatch.setattr(sampling, "_filter_and_draw", full_path_draws_token_0)
     batch = _batch(3, 1.0, 20, 0.5)
     batch.top_k[1] = 0

@@ -71,10 +71,8 @@ def test_scheduler_invariants(specs, block_size, budget, max_batch, sharing, sal
         held = Counter(b for r in scheduler.running for b in r.blocks)
         assert all(allocator.ref_count(b) == n for b, n in held.items())
         assert allocator.num_free == capacity - len(held)
-        for chunk in plan:
-            if chunk.samples:
-                chunk.request.append(7, None)
-        finished += scheduler.finish_step(plan)
+        sampled = [chunk.request for chunk in plan if chunk.samples]
+        finished += scheduler.update(plan, sampled, [7] * len(sampled), [None] * len(sampled))
     assert not scheduler.has_work()
     assert sorted(r.index for r in finished) == list(range(len(specs)))
     assert all(len(r.output) == r.params.max_new_tokens and r.blocks == [] for r in requests)

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("triton")
 
 from cb_sync.attention import sdpa_paged, triton_kernels, triton_ops  # noqa: E402
+from cb_sync.tuning import AttentionTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GQA = [(2, 2), (8, 2), (8, 1)]   # (Hq, Hkv): group sizes 1, 4, 8
@@ -50,8 +51,8 @@ def reference(batch, **kwargs):
                                       max_seq_len=int(batch["seq_lens"].max()), **kwargs)
 
 
-def check(batch, atol=1e-4, **kwargs):
-    out = triton_kernels.paged_attention(**batch, **kwargs)
+def check(batch, atol=1e-4, tuning=AttentionTuning(), **kwargs):
+    out = triton_kernels.paged_attention(**batch, **kwargs, tuning=tuning)
     ref = reference(batch, **kwargs)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not out.isnan().any()
@@ -60,9 +61,9 @@ def check(batch, atol=1e-4, **kwargs):
 
 
 @pytest.fixture
-def small_partitions(monkeypatch):
-    """Split-K partitions of 32 tokens, so short test contexts span several."""
-    monkeypatch.setattr(triton_kernels, "PARTITION_SIZE", 32)
+def small_partitions():
+    """A tuning of split-K partitions of 32 tokens, so short test contexts span several."""
+    return AttentionTuning(partition_size=32)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -88,7 +89,7 @@ def test_decode_split_k(heads, head_dim, small_partitions):
     torch.manual_seed(1)
     seq_lens = [150, 1, 0, 37, 97]   # 0: padded row
     batch = make_batch([1] * len(seq_lens), seq_lens, *heads, head_dim)
-    out = check(batch)
+    out = check(batch, tuning=small_partitions)
     assert (out[2] == 0).all()
 
 
@@ -129,7 +130,7 @@ def test_non_power_of_two_head_dim_and_group(decode, small_partitions):
     torch.manual_seed(9)
     seq_lens = [70, 0, 33]
     q_lens = [1] * 3 if decode else [30, 1, 33]
-    check(make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=80))
+    check(make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=80), tuning=small_partitions)
 
 
 @pytest.mark.parametrize("sliding_window,softcap", [(16, None), (None, 2.0), (20, 1.5)])
@@ -138,7 +139,8 @@ def test_sliding_window_and_softcap(sliding_window, softcap, decode, small_parti
     torch.manual_seed(5)
     seq_lens = [120, 9, 0, 47]
     q_lens = [1] * 4 if decode else [40, 9, 1, 12]
-    check(make_batch(q_lens, seq_lens, 8, 2), sliding_window=sliding_window, softcap=softcap)
+    check(make_batch(q_lens, seq_lens, 8, 2), sliding_window=sliding_window, softcap=softcap,
+          tuning=small_partitions)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -162,7 +164,7 @@ def test_store_then_attend_matches_reference(fused, small_partitions):
             triton_kernels.store_kv(key, value, *caches, slots)
         sdpa_paged.store_kv(key, value, *ref_caches, slots)
         out = triton_kernels.paged_attention(query, *caches, *meta, head_dim ** -0.5,
-                                             new_kv=(key, value, slots) if fused else None)
+                                             new_kv=(key, value, slots) if fused else None, tuning=small_partitions)
         ref = sdpa_paged.paged_attention(query, *ref_caches, *meta, q_len, seq_len, head_dim ** -0.5)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
@@ -186,7 +188,7 @@ def test_decode_stores_each_request_kv_then_attends(heads, small_partitions):
     sdpa_paged.store_kv(key, value, *ref_caches, slots)
     ref = reference({**batch, "k_cache": ref_caches[0], "v_cache": ref_caches[1]})
     for _ in range(2):
-        out = triton_kernels.paged_attention(**batch, new_kv=(key, value, slots))
+        out = triton_kernels.paged_attention(**batch, new_kv=(key, value, slots), tuning=small_partitions)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert torch.equal(batch["k_cache"], ref_caches[0]) and torch.equal(batch["v_cache"], ref_caches[1])
     assert (out[2] == 0).all()

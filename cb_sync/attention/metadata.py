@@ -7,6 +7,8 @@ from types import ModuleType
 
 import torch
 
+from ..tuning import AttentionTuning
+
 
 @dataclass
 class AttnMetadata:
@@ -21,6 +23,7 @@ class AttnMetadata:
         none, so a compiled step does not guard on them).
     k_caches, v_caches: per layer, [num_blocks, block_size, num_kv_heads, head_dim].
     backend: module providing store_and_attend() (see attention/sdpa_paged.py).
+    tuning: the Triton kernels' tile sizes.
     """
 
     slot_mapping: torch.Tensor
@@ -32,3 +35,4 @@ class AttnMetadata:
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
     backend: ModuleType
+    tuning: AttentionTuning = AttentionTuning()

@@ -15,12 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-PARTITION_SIZE = 64    # smallest split-K partition of the decode path, in tokens (a multiple of BLOCK_N)
-MAX_PARTITIONS = 32    # partitions grow past PARTITION_SIZE so that a context never has more than this many
-DECODE_PROGRAMS_PER_SM = 4   # split-K aims at this many (partition, request, kv head) programs per SM
-DECODE_BLOCK_N = 64    # keys per tile in the decode path
-PREFILL_BLOCK_M = 64   # rows (queries x heads in group) per prefill program
-PREFILL_BLOCK_N = 64   # keys per tile in the prefill path
+from ..tuning import AttentionTuning
 
 
 @triton.jit
@@ -263,7 +258,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    tuning: AttentionTuning = AttentionTuning()) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
     new_kv: (key, value [T, Hkv, D], slot_mapping [T]) stored into the caches first, as `store_kv` does; when every
     request brings one query, by the decode kernel itself: then each slot must be its request's own position
@@ -289,15 +285,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                   PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     args = (query, k_cache, v_cache)
     if num_tokens == num_reqs:
-        _decode(out, *args, block_tables, seq_lens, query_start_loc, new_kv, common)
+        _decode(out, *args, block_tables, seq_lens, query_start_loc, new_kv, tuning, common)
         return out
     if new_kv is not None:
         store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2])
-    block_m = max(PREFILL_BLOCK_M, common["BLOCK_G"])
+    block_m = max(tuning.prefill_block_m, common["BLOCK_G"])
     grid = (num_tokens // (block_m // common["BLOCK_G"]) + num_reqs, num_kv_heads)
     _prefill_kernel[grid](*args, out, block_tables, seq_lens, query_start_loc, *query.stride(), *out.stride(),
                           *k_cache.stride(), block_tables.stride(0), num_reqs, BLOCK_M=block_m,
-                          BLOCK_N=PREFILL_BLOCK_N, num_warps=4, **common)
+                          BLOCK_N=tuning.prefill_block_n, num_warps=4, **common)
     return out
 
 
@@ -306,11 +302,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def decode_partition(max_context: int, num_programs: int, device: torch.device) -> int:
+def decode_partition(max_context: int, num_programs: int, device: torch.device, tuning: AttentionTuning) -> int:
     """Tokens per split-K partition: few requests split their context finely enough to fill the GPU, many
     requests keep whole contexts (fewer partials to write and reduce). Depends on shapes only."""
-    wanted = min(MAX_PARTITIONS, max(1, triton.cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), num_programs)))
-    return max(PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, wanted)))
+    per_sm = tuning.decode_programs_per_sm
+    wanted = min(tuning.max_partitions, max(1, triton.cdiv(per_sm * _sm_count(device), num_programs)))
+    return max(tuning.partition_size, triton.next_power_of_2(triton.cdiv(max_context, wanted)))
 
 
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
@@ -330,13 +327,13 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return buffers[-1]
 
 
-def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, new_kv, common):
+def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, new_kv, tuning, common):
     """Split-K decode in one launch: attention per (partition, request, kv head), the last partition of a request
     to finish combining them (the step's K/V stored first, by the partition that holds its position)."""
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_heads, head_dim = query.shape[1:]
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    partition = decode_partition(max_context, num_reqs * num_kv_heads, query.device)
+    partition = decode_partition(max_context, num_reqs * num_kv_heads, query.device, tuning)
     num_partitions = triton.cdiv(max_context, partition)
     m = query.new_empty((num_reqs, num_heads, num_partitions), dtype=torch.float32)
     l = torch.empty_like(m)
@@ -347,5 +344,5 @@ def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         query, key, value, k_cache, v_cache, slots, block_tables, seq_lens, query_start_loc, out, m, l, acc, arrivals,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         num_heads, num_kv_heads, num_partitions, PARTITION=partition, BLOCK_M=max(16, common["BLOCK_G"]),
-        BLOCK_N=min(DECODE_BLOCK_N, partition), BLOCK_P=triton.next_power_of_2(num_partitions),
+        BLOCK_N=min(tuning.decode_block_n, partition), BLOCK_P=triton.next_power_of_2(num_partitions),
         STORE=new_kv is not None, num_warps=4, **common)

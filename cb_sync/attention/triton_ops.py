@@ -12,23 +12,27 @@ import torch
 
 from cb_sync.attention import triton_kernels
 from cb_sync.attention.metadata import AttnMetadata
+from cb_sync.tuning import AttentionTuning
 
 
 @torch.library.custom_op("cb_sync::store_and_attend", mutates_args=("k_cache", "v_cache"))
 def store_and_attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                        sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                        sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                        tuning: Optional[list[int]] = None) -> torch.Tensor:
     """Write key/value [T, Hkv, D] into the caches at slot_mapping [T] (slots < 0 are skipped), then causal paged
     attention of query [T, Hq, D]; see `triton_kernels.paged_attention` (in a decode batch, one query per request,
-    each slot must be its request's own position seq_len - 1, and padded rows store nothing)."""
+    each slot must be its request's own position seq_len - 1, and padded rows store nothing). tuning: an
+    AttentionTuning's ints (None: the defaults)."""
     return triton_kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                          sliding_window, softcap, new_kv=(key, value, slot_mapping))
+                                          sliding_window, softcap, new_kv=(key, value, slot_mapping),
+                                          tuning=AttentionTuning(*tuning or ()))
 
 
 @store_and_attend_op.register_fake
 def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-      sliding_window=None, softcap=None) -> torch.Tensor:
+      sliding_window=None, softcap=None, tuning=None) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
@@ -38,4 +42,5 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The backend entry point: store the step's K/V, then paged attention over meta's batch (its host-side bounds
     are not read)."""
     return store_and_attend_op(query, key, value, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                               meta.seq_lens, meta.query_start_loc, scale, sliding_window, softcap)
+                               meta.seq_lens, meta.query_start_loc, scale, sliding_window, softcap,
+                               meta.tuning.ints())

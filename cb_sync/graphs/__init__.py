@@ -1,5 +1,6 @@
-"""CUDA-graph capture and replay of pure-decode steps."""
+"""CUDA-graph capture, replay and invalidation of pure-decode steps."""
 
 from .buckets import bucket_for, decode_buckets, is_pure_decode
+from .decode_graphs import DecodeGraphs, model_fingerprint
 
-__all__ = ["bucket_for", "decode_buckets", "is_pure_decode"]
+__all__ = ["DecodeGraphs", "bucket_for", "decode_buckets", "is_pure_decode", "model_fingerprint"]

@@ -21,11 +21,9 @@ the KV cache after the call; True keeps it for the next call. Unlike transformer
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import time
 import types
-from dataclasses import dataclass, field
 
 import torch
 
@@ -63,32 +61,8 @@ _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 
 # ContinuousBatchingConfig fields used here; the others only size or tune transformers' own engine.
 _CB_USED = {"return_logprobs", "seed"}
 
-try:  # transformers' own output type, so consumers of generate_batch work unchanged
-    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
-except ImportError:  # pragma: no cover - other transformers versions
-    import enum
-
-    class RequestStatus(enum.IntEnum):
-        PENDING = 0
-        PREFILLING = 1
-        DECODING = 2
-        FINISHED = 3
-        FAILED = 4
-
-    @dataclass
-    class GenerationOutput:
-        request_id: str
-        prompt_ids: list[int] = field(default_factory=list)
-        generated_tokens: list[int] = field(default_factory=list)
-        logprobs: list[float] = field(default_factory=list)
-        error: str | None = None
-        status: RequestStatus = RequestStatus.PENDING
-        created_time: float = field(default_factory=time.perf_counter)
-        lifespan: tuple[float, float] = (-1, -1)
-        timestamps: list[float] | None = None
-
-        def is_finished(self) -> bool:
-            return self.status >= RequestStatus.FINISHED
+# transformers' own output type, so consumers of generate_batch work unchanged
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus  # noqa: E402
 
 
 class _State:
@@ -282,21 +256,17 @@ def _is_neutral(name: str, value) -> bool:
 _noted: set[str] = set()
 
 
-@functools.lru_cache(maxsize=4)
-def _default_of(cls):
-    return cls()
-
-
 def _note_ignored_cb_fields(cb_config) -> None:
+    """Log once per set of fields the ContinuousBatchingConfig settings that differ from its defaults and are
+    ignored here."""
     from dataclasses import fields, is_dataclass
 
     if not is_dataclass(cb_config):
         return
-    default = _default_of(type(cb_config))
-    ignored = sorted(f.name for f in fields(cb_config) if f.name not in _CB_USED
-                     and getattr(cb_config, f.name) != getattr(default, f.name))
-    key = ",".join(ignored)
-    if ignored and key not in _noted:
-        _noted.add(key)
+    default = type(cb_config)()
+    ignored = [f.name for f in fields(cb_config) if f.name not in _CB_USED
+               and getattr(cb_config, f.name) != getattr(default, f.name)]
+    if ignored and ",".join(ignored) not in _noted:
+        _noted.add(",".join(ignored))
         logger.info("cb_sync ignores these ContinuousBatchingConfig settings (size cb_sync with the CBConfig given "
                     "to enable()): %s", ", ".join(ignored))

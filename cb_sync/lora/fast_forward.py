@@ -4,27 +4,25 @@ The swapped forward reads the very `lora_A` / `lora_B` parameters the trainer up
 PEFT's function, also under autocast; anything it does not cover goes to PEFT's own forward: several active
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
 (accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute,
-non-Linear base layers, eager steps of HOST_BOUND_ROWS rows, and steps too large for the kernel's int32 offsets.
+non-Linear base layers, eager steps of the tuning's host-bound sizes, and steps too large for the kernel's int32
+offsets (`kernel_row_limit`: a compiled step has no size test, so its caller keeps it within that bound).
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
 computes its siblings' outputs too (their base layers and LoRA), and each sibling called next on the same tensor
 returns its output instead of computing it. For plain nn.Linear base layers the kernel also computes the base
-GEMMs where it is faster (up to `kernels.FUSED_BASE_MAX_ROWS` rows and `kernels.FUSED_BASE_MAX_K` or
-`kernels.GEMM_BASE_MAX_K` input features; decided inside the op, so torch.compile has no size to guard).
+GEMMs where it is faster (`LoraTuning`'s fused_base_* bounds; decided inside the op, so torch.compile has no size
+to guard).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..patching import forwards_swapped, module_list
+from ..patching import base_model, forwards_swapped, module_list
+from ..tuning import LoraTuning
 
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
 KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within reach of the kernel's int32 offsets
-HOST_BOUND_ROWS = range(257, 4096)   # uncompiled steps of these sizes are bound by the host's launch costs, and
-# PEFT's forward measured faster there (benchmarks/NOTES.md, attempt 10); uncompiled decode steps of up to 256 rows
-# (replayed graphs; larger buckets keep PEFT's forward both captured and uncaptured), long uncompiled prefill steps
-# and compiled steps of any size take the kernel
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -86,16 +84,17 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "_hf_hook", None) or module._forward_hooks or module._forward_pre_hooks)
 
 
-def _kernel_adapter(module, x: torch.Tensor):
+def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning):
     """(A, B, scaling, compute dtype) of the one active adapter when the kernel computes PEFT's result, else None.
 
     Under autocast PEFT's A and B products run in the autocast dtype, so the kernel rounds to it.
     """
     names = [name for name in module.active_adapters if name in module.lora_A.keys()]
     base = module.base_layer
-    if not torch.compiler.is_compiling():     # compiled: no size test to guard on (DecodeGraphs bounds the rows)
+    if not torch.compiler.is_compiling():     # compiled: no size test to guard on (see kernel_row_limit)
         rows = x.shape[:-1].numel()
-        if rows in HOST_BOUND_ROWS or rows * max(base.in_features, base.out_features) > KERNEL_MAX_ELEMENTS:
+        host_bound = tuning.host_bound_min_rows <= rows < tuning.host_bound_max_rows
+        if host_bound or rows * max(base.in_features, base.out_features) > KERNEL_MAX_ELEMENTS:
             return None
     if (len(names) != 1 or module.disable_adapters or module.merged or _hooked(module)
             or not getattr(module, "cast_input_dtype_enabled", True)):
@@ -128,9 +127,11 @@ def _base_fusable(layers: list, x: torch.Tensor) -> bool:
             and len({layer.bias is None for layer in layers}) == 1 and not any(_hooked(layer) for layer in layers))
 
 
-def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
+def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tuning: LoraTuning):
+    ints = tuning.ints()
+
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        adapter = None if args or kwargs else _kernel_adapter(module, x)
+        adapter = None if args or kwargs else _kernel_adapter(module, x, tuning)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
         kept = group.take(index, x, adapter)
@@ -138,7 +139,7 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
             return kept
         members = {index: adapter}
         for other_index, other in enumerate(group.modules):
-            other_adapter = None if other_index == index else _kernel_adapter(other, x)
+            other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning)
             same_dtypes = other_adapter is not None and other_adapter[0].dtype == adapter[0].dtype
             if same_dtypes and other_adapter[3] == adapter[3]:
                 members[other_index] = other_adapter
@@ -148,11 +149,11 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
         if _base_fusable(layers, x):
             biases = [layer.bias for layer in layers if layer.bias is not None]
             outs = torch.ops.cb_sync.lora_linear_group(rows, [layer.weight for layer in layers], biases, *lora,
-                                                       adapter[3])
+                                                       adapter[3], ints)
         else:
             results = [layer(x) for layer in layers]
             outs = torch.ops.cb_sync.lora_add_group(rows, [r.reshape(-1, r.shape[-1]) for r in results], *lora,
-                                                    adapter[3])
+                                                    adapter[3], ints)
         outs = {i: out.view(*x.shape[:-1], out.shape[-1]) for i, out in zip(members, outs)}
         if len(members) > 1:
             group.keep(x, {i: out for i, out in outs.items() if i != index}, members)
@@ -160,11 +161,22 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int):
     return forward
 
 
-def lora_kernels(model: torch.nn.Module, enabled: bool = True, modules: list | None = None):
+def lora_kernels(model: torch.nn.Module, enabled: bool = True, modules: list | None = None,
+                 tuning: LoraTuning = LoraTuning()):
     """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies (modules:
     the model's modules if already walked, see `patching.module_list`)."""
     groups = _lora_groups(module_list(model) if modules is None else modules) if enabled else {}
     if groups:
         from cb_sync.lora import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
     return forwards_swapped([module for module, _, _ in groups.values()],
-                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:]))
+                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:], tuning))
+
+
+def kernel_row_limit(model: torch.nn.Module, modules: list | None = None) -> int:
+    """The most rows a compiled step may feed the kernel: within its int32 offsets for the widest Linear layer
+    (the output embeddings left out: they see the kept rows only)."""
+    output = base_model(model).get_output_embeddings()
+    head = {id(m) for m in output.modules()} if output is not None else set()
+    widest = max((max(m.in_features, m.out_features) for m in (module_list(model) if modules is None else modules)
+                  if isinstance(m, torch.nn.Linear) and id(m) not in head), default=1)
+    return KERNEL_MAX_ELEMENTS // widest

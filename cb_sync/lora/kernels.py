@@ -9,7 +9,7 @@ computes x A_i^T for every member over K splits into fp32 partials (no atomics, 
 spanning all members' outputs. Intermediates are rounded to the compute dtype (the adapter's, or autocast's)
 where PEFT's modules round them, and sums run in fp32 as cuBLAS's do; fp32 products run on bf16 tensor cores
 with each operand split into three bf16 parts (`_dot`). Grids depend only on shapes (CUDA-graph safe).
-Prefill-sized inputs (LARGE_ROWS and more) take 64-row tiles and, by default, one K split. On Hopper the expand
+Prefill-sized inputs (`LoraTuning.large_rows` and more) take larger row tiles and, by default, one K split. On Hopper the expand
 launch is a programmatic dependent launch: its programs start while the shrink runs, read or compute their base,
 and wait for the shrink's partials only before reading them.
 
@@ -26,23 +26,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..tuning import LoraTuning
+
 MAX_MEMBERS = 3       # projections per launch
-BLOCK_M = 16          # rows per program below LARGE_ROWS
-SHRINK_SPLIT_K = 512  # input features per shrink program below MID_ROWS rows, read SHRINK_BLOCK_K a load
-SHRINK_BLOCK_K = 128  # (benchmarks/NOTES.md, attempts 8 and 14)
-EXPAND_BLOCK_N = 64
-MID_ROWS, MID_SPLIT_K = 33, 256   # the shrink split from MID_ROWS rows on (benchmarks/NOTES.md, attempt 10)
-LARGE_ROWS = 256      # from this many rows on, LARGE_BLOCK_M rows per program and a shrink over the whole of K
-LARGE_BLOCK_M = 64
-FUSED_BASE_MAX_ROWS = 32   # `lora_linear_group` computes the base GEMMs in its own launches up to this many rows
-FUSED_BASE_MAX_K = 9728    # and input features, where they measured faster than cuBLAS (benchmarks/NOTES.md,
-# attempts 9, 10 and 14: the 4B shape's down projection, 9,728 features, is the widest measured)
-GEMM_BASE_MAX_K = 4096     # the same bound for groups whose base GEMMs run over all of K in the expand launch
-# (GEMM_BASE, below): measured up to 4,096 features only
-GEMM_BASE_MIN_COLUMNS = 8192   # groups this wide compute the base GEMMs in the expand launch (gate/up);
-# narrower ones split them over K in the shrink launch (q/k/v, o, down)
-SUMMED_BASE_TILES = (1024, 64)  # (input features, columns) per split-K base program; a multiple of SHRINK_BLOCK_K
-# (benchmarks/NOTES.md, attempt 14)
 READ_BASE, GEMM_BASE, SUMMED_BASE = 0, 1, 2   # where the expand launch takes the base from
 MAX_OFFSET = torch.iinfo(torch.int32).max   # elements of one operand within reach of the kernels' int32 offsets
 
@@ -278,19 +264,19 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int | None, bloc
 
 @functools.cache
 def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch of the expand launch: Hopper and later (benchmarks/NOTES.md, attempt 13)."""
+    """Programmatic dependent launch of the expand launch: Hopper and later."""
     return _NATIVE_DOTS and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _shrink_tiles(m: int, k: int, block_k: int) -> tuple[int, int]:
+def _shrink_tiles(m: int, k: int, block_k: int, tuning: LoraTuning) -> tuple[int, int]:
     """(rows per program, input features per K split) of the LoRA shrink for m rows."""
-    if m >= LARGE_ROWS:
-        return LARGE_BLOCK_M, triton.cdiv(k, block_k) * block_k
-    return BLOCK_M, SHRINK_SPLIT_K if m < MID_ROWS else MID_SPLIT_K
+    if m >= tuning.large_rows:
+        return tuning.large_block_m, triton.cdiv(k, block_k) * block_k
+    return tuning.block_m, tuning.shrink_split_k if m < tuning.mid_rows else tuning.mid_split_k
 
 
 def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
-                base_mode):
+                base_mode, tuning):
     """Shrink, then expand into outs; base_mode: READ_BASE (from bases), GEMM_BASE or SUMMED_BASE (from weights
     and biases, computed in the expand launch or split over K in the shrink launch)."""
     m, k = x.shape
@@ -302,9 +288,9 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         x = x.contiguous()
     ranks, widths = [a.shape[0] for a in lora_as], [out.shape[1] for out in outs]
     block_r = max(16, triton.next_power_of_2(max(ranks)))
-    block_m, default_split = _shrink_tiles(m, k, block_k)
+    block_m, default_split = _shrink_tiles(m, k, block_k, tuning)
     split_k = default_split if split_k is None else split_k
-    base_split_k, base_block_n = SUMMED_BASE_TILES
+    base_split_k, base_block_n = tuning.summed_base_split_k, tuning.summed_base_block_n
     if split_k % block_k or (base_mode == SUMMED_BASE and base_split_k % block_k):
         raise ValueError(f"block_k={block_k} must divide the shrink split ({split_k} features for {m} rows) and "
                          f"the split-K base's ({base_split_k})")
@@ -327,7 +313,7 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     if base_mode == GEMM_BASE:
         block_m, block_n, block_k = _fused_tiles(m)
     else:
-        block_n, block_k = EXPAND_BLOCK_N, 16
+        block_n, block_k = tuning.expand_block_n, 16
     column_tiles = sum(triton.cdiv(n, block_n) for n in widths)
     has_bias = biases is not None
     bases, biases = bases or outs, biases or outs                    # unread when absent
@@ -343,46 +329,50 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
 
 def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor],
                    lora_bs: list[torch.Tensor], scalings: list[float], compute_dtype: torch.dtype | None = None,
-                   split_k: int | None = None, block_k: int = SHRINK_BLOCK_K) -> list[torch.Tensor]:
+                   split_k: int | None = None, block_k: int | None = None,
+                   tuning: LoraTuning = LoraTuning()) -> list[torch.Tensor]:
     """For each member i: bases[i] [M, N_i] + scalings[i] * (x [M, K] @ lora_as[i] [R_i, K]^T) @ lora_bs[i]
     [N_i, R_i]^T as a new tensor of bases[i]'s dtype, with PEFT's roundings: x, A and B in compute_dtype (default:
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program (None: chosen by the
-    row count), loaded block_k at a time (tile sizes only, swept by `benchmarks.lora_kernel`)."""
+    row count), loaded block_k at a time (None: the tuning's; tile sizes only, swept by `benchmarks.lora_kernel`)."""
+    block_k = tuning.shrink_block_k if block_k is None else block_k
     _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as, [b.shape[-1] for b in bases])
     bases = [_contiguous(base) for base in bases]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
     return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
-                       READ_BASE)
+                       READ_BASE, tuning)
 
 
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
                       lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scalings: list[float],
-                      compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                      compute_dtype: torch.dtype | None = None,
+                      tuning: LoraTuning = LoraTuning()) -> list[torch.Tensor]:
     """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded
-    to the weights' dtype (x's), as nn.Linear gives them. Up to FUSED_BASE_MAX_ROWS rows and FUSED_BASE_MAX_K input
-    features (GEMM_BASE_MAX_K for groups of GEMM_BASE_MIN_COLUMNS outputs) the kernel computes them (two launches for
-    the whole group, base GEMMs included); beyond, or for weights past the kernels' int32 offsets, torch does."""
-    _check_group(x, [weights, lora_as, lora_bs, scalings], None, SHRINK_BLOCK_K, lora_as + weights,
+    to the weights' dtype (x's), as nn.Linear gives them. Up to the tuning's fused_base_max_rows rows and
+    fused_base_max_k input features (gemm_base_max_k for groups of gemm_base_min_columns outputs) the kernel computes
+    them (two launches for the whole group, base GEMMs included); beyond, or for weights past the kernels' int32
+    offsets, torch does."""
+    _check_group(x, [weights, lora_as, lora_bs, scalings], None, tuning.shrink_block_k, lora_as + weights,
                  [w.shape[0] for w in weights])
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
-    mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= GEMM_BASE_MIN_COLUMNS else SUMMED_BASE
-    max_k = GEMM_BASE_MAX_K if mode == GEMM_BASE else FUSED_BASE_MAX_K
-    if (x.shape[0] > FUSED_BASE_MAX_ROWS or x.shape[1] > max_k
+    mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= tuning.gemm_base_min_columns else SUMMED_BASE
+    max_k = tuning.gemm_base_max_k if mode == GEMM_BASE else tuning.fused_base_max_k
+    if (x.shape[0] > tuning.fused_base_max_rows or x.shape[1] > max_k
             or any(w.numel() > MAX_OFFSET for w in weights)):
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
         # the new base tensors (checked by the test above) are this call's own: the kernel adds into them in place
         return _lora_group(x, bases, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, None,
-                           SHRINK_BLOCK_K, READ_BASE)
+                           tuning.shrink_block_k, READ_BASE, tuning)
     weights, biases = [_contiguous(w) for w in weights], [_contiguous(b) for b in biases] or None
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
     return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, None,
-                       SHRINK_BLOCK_K, mode)
+                       tuning.shrink_block_k, mode, tuning)
 
 
 def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scaling: float, compute_dtype: torch.dtype | None = None, split_k: int | None = None,
-             block_k: int = SHRINK_BLOCK_K) -> torch.Tensor:
+             block_k: int | None = None, tuning: LoraTuning = LoraTuning()) -> torch.Tensor:
     """One projection: base + scaling * (x @ lora_a^T) @ lora_b^T; see `lora_add_group`."""
-    return lora_add_group(x, [base], [lora_a], [lora_b], [scaling], compute_dtype, split_k, block_k)[0]
+    return lora_add_group(x, [base], [lora_a], [lora_b], [scaling], compute_dtype, split_k, block_k, tuning)[0]

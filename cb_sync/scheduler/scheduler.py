@@ -11,7 +11,8 @@ from ..request import Request, Status
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """request feeds tokens [start, start + length); it samples when that reaches its last token."""
+    """request feeds tokens [start, start + length); it samples when that reaches its last token (or goes past it:
+    a step planned ahead feeds a token not sampled yet)."""
 
     request: Request
     start: int
@@ -19,7 +20,7 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        return self.start + self.length == self.request.num_tokens
+        return self.start + self.length >= self.request.num_tokens
 
 
 class Scheduler:
@@ -82,20 +83,29 @@ class Scheduler:
         return plan
 
     def plan_ahead(self, plan: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
-        """The pure-decode step after `plan` (a pure-decode step not yet finished), planned before its tokens are
-        known: the same requests, one position on, with their blocks reserved. None where the next schedule()
-        could differ by more than requests ending on a stop or EOS token: a request that reaches max_new_tokens,
-        a waiting request that could be admitted, or a block that is not free (no preemption here)."""
+        """The pure-decode step after `plan` (a pure-decode step whose tokens are not read yet), planned before they
+        are known: the same requests, one position on, with their blocks reserved. None where the next schedule()
+        could differ by more than requests ending on a stop or EOS token: a request of the plan already finished (its
+        row was computed past its end), one that reaches max_new_tokens, a waiting request that could be admitted, or
+        a block that is not free (no preemption here)."""
         if self.waiting and len(self.running) < self.max_batch_size:
             return None
-        if any(len(c.request.output) + 2 > c.request.params.max_new_tokens for c in plan):
+        if any(c.request.status is Status.FINISHED or len(c.request.output) + 2 > c.request.params.max_new_tokens
+               for c in plan):
             return None
         if not all(self._reserve(c.request, c.start + 2) for c in plan):
             return None
         return [ScheduledChunk(c.request, c.start + 1, 1) for c in plan]
 
-    def finish_step(self, plan: list[ScheduledChunk]) -> list[Request]:
-        """Advance the computed counts after a step; free and return the requests that finished."""
+    def update(self, plan: list[ScheduledChunk], sampled: list[Request], tokens: list[int],
+               logprobs: list[float]) -> list[Request]:
+        """After a step: append the sampled tokens, advance the computed counts, free and return the requests that
+        finished. Requests that had finished before (a step planned ahead computed a row past their end) are left
+        out."""
+        plan = [chunk for chunk in plan if chunk.request.status is not Status.FINISHED]
+        for request, token, logprob in zip(sampled, tokens, logprobs):
+            if request.status is not Status.FINISHED:
+                request.append(token, logprob)
         finished = []
         for chunk in plan:
             request = chunk.request

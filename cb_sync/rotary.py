@@ -2,15 +2,14 @@
 
 A rotary embedding's cos/sin tables are cheap pointwise functions of the positions, so inductor inlines them into
 every consumer: each layer's query and key kernels would evaluate a sine and a cosine per element. Passed through
-an opaque op, the tables become buffers computed once per step and read by every layer
-(benchmarks/NOTES.md, attempt 14).
+an opaque op, the tables become buffers computed once per step and read by every layer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..patching import forwards_swapped
+from .patching import forwards_swapped
 
 
 @torch.library.custom_op("cb_sync::materialize", mutates_args=())

@@ -1,0 +1,134 @@
+"""One step's inputs: built on the host from its plan (`step_columns`) and sent to the device in one copy, as typed
+views of one byte buffer whose fields start at ALIGN-byte boundaries (`StepBuffers`). Eager steps pack buffers of
+their own size; replayed steps write the static buffers their graphs read."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import AttnMetadata
+from ..request import Request
+from ..sampling import SAMPLING_COLUMNS, SamplerKind, SamplingBatch, sampling_columns
+
+ALIGN = 16     # bytes: every field starts where vectorised loads may assume alignment
+_ROW_FIELDS = ("input_ids", "positions", "slots", "seq_lens", "query_start", "keep")
+
+
+@dataclass(slots=True)
+class StepColumns:
+    """A step's inputs as host lists: per token (ids, positions, cache slots), per request (context lengths, first
+    query, block tables), and per sampling row (the token row kept, the request, the output index it samples)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    query_start: list[int] = field(default_factory=lambda: [0])
+    tables: list[list[int]] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+    samplers: list[Request] = field(default_factory=list)
+    sample_positions: list[int] = field(default_factory=list)
+
+    def pad_requests(self, num_requests: int) -> None:
+        """Add requests of one query each that read and store nothing, up to num_requests."""
+        for _ in range(num_requests - len(self.seq_lens)):
+            self.input_ids.append(0)
+            self.positions.append(0)
+            self.slots.append(-1)
+            self.seq_lens.append(0)
+            self.query_start.append(self.query_start[-1] + 1)
+            self.tables.append([])
+
+
+def step_columns(plan, block_size: int) -> StepColumns:
+    """The columns of a plan (ScheduledChunks). Tokens not sampled yet (a step planned ahead of the one sampling
+    them) are 0: the step takes them on the device."""
+    columns = StepColumns()
+    for chunk in plan:
+        request, start, stop = chunk.request, chunk.start, chunk.start + chunk.length
+        tokens = request.token_slice(start, stop)
+        columns.input_ids += tokens + [0] * (chunk.length - len(tokens))
+        columns.positions += range(start, stop)
+        blocks = request.blocks
+        columns.slots += [blocks[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+        columns.seq_lens.append(stop)
+        columns.query_start.append(columns.query_start[-1] + chunk.length)
+        columns.tables.append(blocks)
+        if chunk.samples:
+            columns.keep.append(columns.query_start[-1] - 1)
+            columns.samplers.append(request)
+            columns.sample_positions.append(stop - len(request.prompt))
+    return columns
+
+
+class StepBuffers:
+    """Device views `views[name]` of one byte buffer and host mirrors (numpy views) to fill; `upload()` sends the
+    current mirror in one copy. Fields: input_ids, positions, slots [tokens]; seq_lens [requests]; query_start
+    [requests + 1]; tables [requests, width]; keep [rows kept]; "sampling.<column>" [sampling rows].
+
+    With two mirrors (pinned on CUDA, the copy asynchronous) they are used in turn: a mirror is filled again only two
+    uploads later, once the step that read it has been waited for."""
+
+    def __init__(self, tokens: int, requests: int, width: int, kept: int, sampled: int, device: torch.device,
+                 mirrors: int = 1):
+        shapes = [(name, torch.int64, (tokens,)) for name in _ROW_FIELDS[:3]]
+        shapes += [("seq_lens", torch.int32, (requests,)), ("query_start", torch.int32, (requests + 1,)),
+                   ("tables", torch.int32, (requests, width)), ("keep", torch.int64, (kept,))]
+        shapes += [("sampling." + name, dtype, (sampled,)) for name, dtype in SAMPLING_COLUMNS.items()]
+        offsets, size = [], 0
+        for _, dtype, shape in shapes:
+            offsets.append(size)
+            size += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+        pinned, host = mirrors > 1 and device.type == "cuda", torch.zeros if mirrors > 1 else torch.empty
+        self.device_bytes = torch.empty(size, dtype=torch.uint8, device=device)
+        self.host_bytes = [host(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(mirrors)]
+        self.views, self.hosts = {}, [{} for _ in range(mirrors)]
+        for (name, dtype, shape), offset in zip(shapes, offsets):
+            span = slice(offset, offset + math.prod(shape) * dtype.itemsize)
+            self.views[name] = self.device_bytes[span].view(dtype).view(shape)
+            for host, buffer in zip(self.hosts, self.host_bytes):
+                host[name] = buffer[span].view(dtype).view(shape).numpy()
+        self.turn = 0
+
+    @classmethod
+    def packed(cls, columns: StepColumns, width: int, device: torch.device) -> StepBuffers:
+        """Buffers of the columns' own sizes, written and sent to the device."""
+        buffers = cls(len(columns.input_ids), len(columns.seq_lens), width, len(columns.keep),
+                      len(columns.samplers), device)
+        buffers.write(columns)
+        buffers.upload()
+        return buffers
+
+    def write(self, columns: StepColumns) -> None:
+        """Fill the current host mirror's leading rows from the columns (table rows zero-padded)."""
+        host = self.hosts[self.turn]
+        sampling = sampling_columns(columns.samplers, columns.sample_positions)
+        for name, values in [(name, getattr(columns, name)) for name in _ROW_FIELDS] + [
+                ("sampling." + name, values) for name, values in sampling.items()]:
+            host[name][:len(values)] = values
+        tables = host["tables"]
+        tables[:len(columns.tables)] = 0
+        for row, blocks in enumerate(columns.tables):
+            tables[row, :len(blocks)] = blocks
+
+    def upload(self) -> None:
+        """Send the current host mirror to the device and turn to the next one."""
+        self.device_bytes.copy_(self.host_bytes[self.turn], non_blocking=True)
+        self.turn = (self.turn + 1) % len(self.host_bytes)
+
+    def model_inputs(self, tokens: int, requests: int, kept: int, cache, backend, tuning, max_query_len: int,
+                     max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor]:
+        """Token ids [1, tokens], positions [1, tokens], the attention metadata and the rows kept: views of the
+        leading rows."""
+        v = self.views
+        meta = AttnMetadata(v["slots"][:tokens], v["tables"][:requests], v["seq_lens"][:requests],
+                            v["query_start"][:requests + 1], max_query_len, max_seq_len, cache.k_caches,
+                            cache.v_caches, backend, tuning)
+        return v["input_ids"][:tokens].unsqueeze(0), v["positions"][:tokens].unsqueeze(0), meta, v["keep"][:kept]
+
+    def sampling(self, rows: int, kind: SamplerKind) -> SamplingBatch:
+        """The sampling parameters of the leading rows."""
+        return SamplingBatch(*(self.views["sampling." + name][:rows] for name in SAMPLING_COLUMNS), kind=kind)

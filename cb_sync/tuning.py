@@ -1,0 +1,53 @@
+"""Kernel tuning in one place: tile sizes and size thresholds of the Triton attention and LoRA kernels, measured on
+an H200 for the Qwen3-4B shape (`CBConfig(tuning=KernelTuning(...))` for others). Every field is an int, so a tuning
+crosses into a custom op as a list (`ints()`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class _Ints:
+    def ints(self) -> list[int]:
+        return [getattr(self, name) for name in self.__dataclass_fields__]
+
+
+@dataclass(frozen=True)
+class AttentionTuning(_Ints):
+    partition_size: int = 64          # smallest split-K partition of a decode step, in tokens (a decode_block_n multiple)
+    max_partitions: int = 32          # partitions grow so that a context has no more than this many
+    decode_programs_per_sm: int = 4   # split-K aims at this many (partition, request, kv head) programs per SM
+    decode_block_n: int = 64          # keys per decode tile
+    prefill_block_m: int = 64         # rows (queries x heads in group) per prefill program
+    prefill_block_n: int = 64         # keys per prefill tile
+
+
+@dataclass(frozen=True)
+class LoraTuning(_Ints):
+    block_m: int = 16                 # rows per program below large_rows
+    shrink_split_k: int = 512         # input features per shrink program below mid_rows rows (few partials to sum)
+    shrink_block_k: int = 128         # input features a shrink load
+    mid_rows: int = 33
+    mid_split_k: int = 256            # input features per shrink program from mid_rows rows on
+    large_rows: int = 256             # from here on large_block_m rows per program and one split over all of K
+    large_block_m: int = 64
+    expand_block_n: int = 64          # output columns per expand program
+    # `lora_linear_group` computes the base GEMMs itself, where that measured faster than cuBLAS: up to these rows
+    # and input features (gemm_base_max_k for groups of gemm_base_min_columns outputs, whose base GEMMs run in the
+    # expand launch; narrower groups split them over K in the shrink launch, in tiles of features x columns)
+    fused_base_max_rows: int = 32
+    fused_base_max_k: int = 9728
+    gemm_base_max_k: int = 4096
+    gemm_base_min_columns: int = 8192
+    summed_base_split_k: int = 1024
+    summed_base_block_n: int = 64
+    # uncompiled steps of these row counts (min included, max not) keep PEFT's forward: bound by the host's launch
+    # costs, where PEFT's forward measured faster
+    host_bound_min_rows: int = 257
+    host_bound_max_rows: int = 4096
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    attention: AttentionTuning = field(default_factory=AttentionTuning)
+    lora: LoraTuning = field(default_factory=LoraTuning)
