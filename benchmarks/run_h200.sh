@@ -32,5 +32,8 @@ case "$stage" in
       $(ls .whl/*.whl | grep -v pyarrow) || exit
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     timeout -s INT -k 15 550 python -m benchmarks.grpo --out "$OUT" "$@" 2>&1 | tee "$OUT/grpo.log" ;;
+  grpo_ddp)   # Workload G on 1 GPU, then on 2 (accelerate launch; nvidia-h200-x2); the wheels of grpo
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(ls .whl/*.whl | grep -v pyarrow) || exit
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout -s INT -k 15 580 python -m benchmarks.grpo_ddp --out "$OUT" "$@" 2>&1 | tee "$OUT/grpo_ddp.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
