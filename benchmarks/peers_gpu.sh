@@ -8,16 +8,18 @@
 #   tp_vllm         Workload T, vllm and vllm_nolora, one process each           -> throughput_peers_vllm.*
 #   tp_all          Workload T, cb_sync_compiled, vllm, vllm_nolora             -> throughput_peers.*
 #                   (vllm stages: carry .vllm-wheels/p6 and .whl; /tmp/vsite is made once from /tmp/vl's parts)
-#   grpo_cb         Workload G, cb_sync (compiled) and, when .unsloth-wheels is carried or /tmp/usite holds it,
-#                   unsloth in a process of its own                             -> grpo_peers_cb.*
-#                   (carry .whl and .unsloth-wheels, or .whl and .vllm-wheels/p6 for dill)
-#   grpo_unsloth    Workload G, unsloth alone (carry .unsloth-wheels)            -> grpo_peers_unsloth.*
+#   grpo_cb         Workload G, cb_sync (compiled)                               -> grpo_peers_cb.*
+#                   (carry .whl and a dill wheel: .unsloth-wheels/dill-0.4.1-py3-none-any.whl or .vllm-wheels/p6)
+#   grpo_unsloth    Workload G, unsloth in a process of its own (carry .unsloth-wheels; this process takes
+#                   datasets from /tmp/vsite, else from /tmp/usite)             -> grpo_peers_unsloth.*
 #   grpo_vllm       Workload G, trl_vllm and trl_vllm_sleep, one process each   -> grpo_peers_vllm.*
 #   grpo_all        Workload G, cb_sync (compiled), trl_vllm, trl_vllm_sleep     -> grpo_peers.*
 # Merge the calls' results afterwards (CPU):
 #   python -m benchmarks.throughput --from-json DIR1/throughput_peers_cb.json DIR2/throughput_peers_vllm.json \
 #       --name throughput_peers
-#   python -m benchmarks.grpo --from-json DIR3/grpo_peers_cb.json DIR4/grpo_peers_vllm.json --name grpo_peers
+#   python -m benchmarks.grpo --from-json DIR3/grpo_peers_cb.json DIR4/grpo_peers_vllm.json \
+#       DIR5/grpo_peers_unsloth.json --name grpo_peers
+# Stages of one call share its budget: a stage's time limit is a cap, and one that ends early leaves the rest.
 # CALL_BUDGET (seconds, default 570) bounds the whole call: each stage's time limit is what is left of it.
 # TP_ARGS / GRPO_ARGS are appended to the benchmarks' arguments.
 set -o pipefail
@@ -98,10 +100,7 @@ run_stages() {
         throughput throughput_peers cb_sync_compiled vllm vllm_nolora ;;
       grpo_cb)
         site_vllm
-        site_unsloth
-        backends="cb_sync"
-        [ -f /tmp/usite/unsloth/__init__.py ] && backends="cb_sync unsloth"
-        grpo grpo_peers_cb --cb-compile --backends $backends ;;
+        grpo grpo_peers_cb --cb-compile --backends cb_sync ;;
       grpo_unsloth)
         site_unsloth
         if [ -f /tmp/vsite/datasets/__init__.py ]; then export PYTHONPATH=/tmp/vsite${PYTHONPATH:+:$PYTHONPATH}
