@@ -10,7 +10,8 @@ import importlib
 import sys
 from pathlib import Path
 
-NOT_SCRIPTS = {"common", "grpo_stats", "grpo_report", "grpo_workload"}
+NOT_SCRIPTS = {"common", "grpo_stats", "grpo_report", "grpo_workload", "grpo_peers", "grpo_unsloth", "isolation",
+               "peers_vllm"}
 
 
 def scripts() -> list[str]:

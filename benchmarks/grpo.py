@@ -4,16 +4,20 @@ Each backend trains a freshly built copy of the same model (same seed; the train
 `peft_config`, lora_B = 0 as in the reference notebook, so the KL reference is the base model and every backend
 starts from identical weights; GRPOStats fingerprints the trainable weights at train begin) on the same synthetic
 math prompts with the same GRPOConfig (the reference notebook's shape: 4 generations, batch 4, temperature 0.1,
-top_p 0.97, min_p 0.5, top_k 5), in one process on one card, one after the other:
-    cb_sync       CBSyncGRPOTrainer (rollouts from cb_sync on the trained modules)
-    trl_generate  trl.GRPOTrainer, HF `generate` (the reference of the equivalence gate)
-    trl_cb        trl.GRPOTrainer(use_transformers_continuous_batching=True), transformers' own CB
-    vllm, unsloth rows say why they were skipped (not installed here; not driven by this script).
-A backend that fails is recorded with its error; the others still run. Results are rewritten after every backend
-(per-backend step files after every step); SIGINT (`timeout -s INT`) ends the run early and keeps what was measured.
+top_p 0.97, min_p 0.5, top_k 5), on one card, one after the other:
+    cb_sync         CBSyncGRPOTrainer (rollouts from cb_sync on the trained modules)
+    trl_generate    trl.GRPOTrainer, HF `generate` (the reference of the equivalence gate)
+    trl_cb          trl.GRPOTrainer(use_transformers_continuous_batching=True), transformers' own CB
+    trl_vllm        trl.GRPOTrainer(use_vllm=True, vllm_mode="colocate"), TRL's defaults otherwise
+    trl_vllm_sleep  the same with vllm_enable_sleep_mode=True
+    unsloth         Unsloth's own GRPO path (fast_inference=False), TRL <= 1.15 from --unsloth-site
+The first three run in this process; the others each in a process of its own (benchmarks/grpo_peers.py), from the
+model saved to a directory. A backend that cannot run here has a row that says why; one that fails is recorded
+with its error; the others still run. Results are rewritten after every backend (per-backend step files after
+every step); SIGINT (`timeout -s INT`) ends the run early and keeps what was measured.
 
-    python -m benchmarks.grpo [--tiny] [--backends cb_sync trl_generate trl_cb] [--steps 10] [--warmup 3]
-                              [--max-completion 512] [--time-limit SECONDS] [--name grpo] [--out DIR]
+    python -m benchmarks.grpo [--tiny] [--backends cb_sync trl_generate trl_cb trl_vllm ...] [--steps 10]
+                              [--warmup 3] [--max-completion 512] [--time-limit SECONDS] [--name grpo] [--out DIR]
 
 beta defaults to 0.04 (TRL's default 0 computes and logs no KL; the gate compares KL trajectories).
 
@@ -32,7 +36,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
+import json
+import os
 import statistics
 import tempfile
 import time
@@ -41,13 +46,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import grpo_peers
 from benchmarks.common import RESULTS, build_model, write_results
 from benchmarks.grpo_report import gate_lines, plot, report, summary_table
 from benchmarks.grpo_stats import GRPOStats, compare
 from benchmarks.grpo_workload import (GEN_BATCH, REFERENCE, REWARD_RANGE, REWARDS, lora_config, make_dataset,
                                       make_tokenizer)
 
-BACKENDS = ("cb_sync", "trl_generate", "trl_cb", "vllm", "unsloth")
+BACKENDS = ("cb_sync", "trl_generate", "trl_cb", "trl_vllm", "trl_vllm_sleep", "unsloth")
 
 # -- one backend ------------------------------------------------------------------------------------------------
 
@@ -73,13 +79,9 @@ def grpo_config(args, output_dir: str, **extra):
         dataloader_num_workers=0, **extra)
 
 
-def skip_reason(backend: str) -> str | None:
-    """Why a peer row is skipped (vllm, unsloth), or None. Checked without importing: unsloth patches on import."""
-    if backend not in ("vllm", "unsloth"):
-        return None
-    if importlib.util.find_spec(backend) is None:
-        return f"{backend} is not installed"
-    return f"{backend} is installed, but this script does not drive it yet (it needs a checkpoint on disk)"
+def skip_reason(backend: str, args) -> str | None:
+    """Why a backend cannot run here, or None. Checked without importing: Unsloth patches on import."""
+    return grpo_peers.skip_reason(backend, args)
 
 
 def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: float | None = None) -> None:
@@ -92,6 +94,7 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     model = build(args, tokenizer)
+    rng = torch.get_rng_state()     # the trainer's LoRA init draws from it: equal for every backend
     common = dict(model=model, reward_funcs=REWARDS, train_dataset=dataset, processing_class=tokenizer,
                   callbacks=[stats], peft_config=lora_config())
     trainer = None
@@ -107,6 +110,21 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                                             release_after_rollout=not args.cb_keep_cache, **common)
             elif backend == "trl_generate":
                 trainer = GRPOTrainer(args=grpo_config(args, tmp), **common)
+            elif backend in grpo_peers.OWN_PROCESS:       # from a saved copy, as TRL + vLLM and Unsloth load it
+                common["model"] = grpo_peers.save_model(model, tokenizer, Path(tmp) / "model")
+                model = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.set_rng_state(rng)
+                if backend == "unsloth":
+                    from benchmarks.grpo_unsloth import unsloth_trainer
+                    trainer = unsloth_trainer(args, grpo_config(args, tmp), **common)
+                else:
+                    os.environ.update(grpo_peers.distributed_env())      # before the config starts accelerate
+                    config = grpo_config(args, tmp, **grpo_peers.trl_vllm_kwargs(backend == "trl_vllm_sleep"))
+                    trainer = GRPOTrainer(args=config, **common)
+                    llm = trainer.vllm_generation.llm
+                    llm.generate = stats.sampled(llm.generate)           # the card's memory with the KV pool awake
             elif backend == "trl_cb":
                 # TRL's default sizes transformers' KV cache to 50% of free device memory (of RAM on the CPU: slow)
                 cb = {"num_blocks": 16, "max_batch_tokens": 512} if args.tiny else None
@@ -118,6 +136,8 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
             trainer._generate = stats.timed(trainer._generate)
             row["build_s"] = stats.extra["build_s"] = round(time.perf_counter() - start, 2)
             trainer.train()
+            if backend in grpo_peers.VLLM_BACKENDS:
+                row["weight_sync"] = stats.extra["weight_sync"] = grpo_peers.weight_sync_check(trainer, common["model"])
     finally:
         row["init_fingerprint"] = stats.extra["init_fingerprint"] = stats.init_fingerprint
         if stats.stopped_early:
@@ -140,14 +160,20 @@ def summarize(per_step: list[dict], warmup: int) -> dict:
     timed = per_step[warmup:] or per_step
     peaks = [r["peak_gib"] for r in timed if r.get("peak_gib") is not None]
     lengths = [r["completion_len"] for r in per_step if r.get("completion_len") is not None]
-    gaps = [r["logp_gap_max"] for r in per_step if r.get("logp_gap_max") is not None]
+    cards = [r["card_gib"] for r in timed if r.get("card_gib") is not None]
+    gap_means, gap_maxes, is_means, is_mins = ([r[key] for r in per_step if r.get(key) is not None] for key in (
+        "logp_gap_mean", "logp_gap_max", "is_ratio_mean", "is_ratio_min"))
     return {"step_ms": round(1000 * statistics.median(r["step_s"] for r in timed), 1),
             "median_includes_warmup": not per_step[warmup:],
             "gen_ms": round(1000 * statistics.median(r["gen_s"] for r in timed), 1),
             "peak_gib": round(max(peaks), 2) if peaks else None,
+            "card_gib": round(max(cards), 2) if cards else None,
             "timed_steps": len(timed),
             "mean_completion_len": round(statistics.mean(lengths), 1) if lengths else None,
-            "logp_gap_max": max(gaps) if gaps else None}
+            "logp_gap_mean": statistics.mean(gap_means) if gap_means else None,
+            "logp_gap_max": max(gap_maxes, default=None),
+            "is_ratio_mean": statistics.mean(is_means) if is_means else None,
+            "is_ratio_min": min(is_mins, default=None)}
 
 # -- main -------------------------------------------------------------------------------------------------------
 
@@ -172,9 +198,19 @@ def parse_args(argv=None):
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for all backends together: each gets an equal share of what is left and stops "
                              "early (after >= 2 steps) when its next step would overrun it")
+    parser.add_argument("--unsloth-site", default=grpo_peers.UNSLOTH_SITE,
+                        help="Unsloth's own target directory (unsloth, unsloth_zoo, trl <= 1.15, datasets < 5)")
+    parser.add_argument("--row-file", type=Path, default=None,
+                        help="run the one backend given in this process and write its row to this file (how the "
+                             "run starts the backends that need a process of their own)")
+    parser.add_argument("--from-json", nargs="+", type=Path, default=None, metavar="FILE",
+                        help="measure nothing: merge the rows of these runs' <name>.json (runs of one machine, in "
+                             "several calls; an engine's first row that ran is kept) into <out>/<name>.json|md|png")
     parser.add_argument("--name", default="grpo")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.row_file is not None and len(args.backends) != 1:
+        parser.error("--row-file takes one backend")
     if args.logp_gap_tol is None and args.tiny:
         args.logp_gap_tol = 1e-3
     for key, full, tiny in (("steps", 10, 3), ("warmup", 3, 1), ("max_completion", 512, 8)):
@@ -201,7 +237,7 @@ def versions() -> dict:
     """Versions of the training stack next to the torch/transformers/triton ones that write_results adds."""
     from importlib.metadata import PackageNotFoundError, version
     out = {}
-    for package in ("trl", "peft", "accelerate", "datasets"):
+    for package in ("trl", "peft", "accelerate", "datasets", "vllm", "unsloth", "unsloth_zoo"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:
@@ -210,14 +246,42 @@ def versions() -> dict:
 
 
 def save(args, rows: list[dict], prompt_len: int) -> None:
+    if args.row_file is not None:       # a backend's own process: its row goes to the run that started it
+        args.row_file.write_text(json.dumps(rows[0]))
+        return
     evaluate_gates(args, rows)
     write_results(args.name, rows, report(args, rows, prompt_len), out_dir=args.out)
     plot(rows, args.out / f"{args.name}.png")
 
 
+def merge_runs(args) -> list[dict]:
+    """--from-json: one report of several runs' rows, gated together; the settings are the first row's."""
+    rows: dict[str, dict] = {}
+    for path in args.from_json:
+        for row in json.loads(path.read_text()):
+            if row["engine"] not in rows or (row.get("per_step") and not rows[row["engine"]].get("per_step")):
+                rows[row["engine"]] = row
+    merged = list(rows.values())
+    first = merged[0]
+    args.steps, args.warmup, args.max_completion, args.beta = (first["steps"], first["warmup"], first["new_tokens"],
+                                                               first["beta"])
+    args.seed = first.get("seed", args.seed)
+    differ = [k for k in ("steps", "warmup", "new_tokens", "beta", "prompt_len", "seed")
+              if len({r.get(k) for r in merged}) > 1]
+    evaluate_gates(args, merged)
+    text = report(args, merged, first["prompt_len"], sources=[str(p) for p in args.from_json], differ=differ)
+    (args.out / f"{args.name}.json").write_text(json.dumps(merged, indent=1))
+    (args.out / f"{args.name}.md").write_text(text)
+    plot(merged, args.out / f"{args.name}.png")
+    print(summary_table(merged))
+    return merged
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        return merge_runs(args)
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (or --tiny for the CPU smoke run)")
     tokenizer = make_tokenizer(512 if args.tiny else 151936)
@@ -225,17 +289,17 @@ def main(argv=None) -> list[dict]:
     prompt_len = len(tokenizer(dataset[0]["prompt"], add_special_tokens=False)["input_ids"])
     base = {"model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": True, "batch": GEN_BATCH,
             "num_generations": 4, "prompt_len": prompt_len, "new_tokens": args.max_completion, "steps": args.steps,
-            "warmup": args.warmup, "beta": args.beta, **versions()}
+            "warmup": args.warmup, "beta": args.beta, "seed": args.seed, **versions()}
     print(f"GRPO benchmark: {base}", flush=True)
 
     rows: list[dict] = []
     start = time.perf_counter()
-    runnable = [b for b in args.backends if skip_reason(b) is None]
+    runnable = [b for b in args.backends if skip_reason(b, args) is None]
     try:
         for backend in args.backends:
             row = {"engine": backend, **base}
             rows.append(row)
-            reason = skip_reason(backend)
+            reason = skip_reason(backend, args)
             if reason is not None:
                 row["skipped"] = reason
                 print(f"[{backend}] skipped: {reason}", flush=True)
@@ -246,7 +310,10 @@ def main(argv=None) -> list[dict]:
                 now = time.perf_counter()
                 deadline = now + (start + args.time_limit - now) / left
             try:
-                run_backend(backend, args, tokenizer, dataset, row, deadline)
+                if backend in grpo_peers.OWN_PROCESS and args.row_file is None:
+                    grpo_peers.run_own_process(backend, args, row, deadline, time.perf_counter())
+                else:
+                    run_backend(backend, args, tokenizer, dataset, row, deadline)
             except Exception as error:          # one failing backend must not stop the others
                 traceback.print_exc()
                 row["error"] = repr(error)[:2000]

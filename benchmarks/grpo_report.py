@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from benchmarks.common import environment, markdown_table
+from benchmarks.grpo_peers import OWN_PROCESS
 from benchmarks.grpo_workload import GEN_BATCH, REFERENCE, REWARD_RANGE
 
 def _fmt(x, digits=4):
@@ -21,33 +22,56 @@ def _verdict(gate: dict | None) -> str:
     return "-" if gate is None else "pass" if gate["pass"] else "FAIL"
 
 
+def _memory_ratio(cb: dict, r: dict) -> str:
+    """cb_sync / peer of the card's memory in use where both have it, else of torch's peak."""
+    for key, label in (("card_gib", "card"), ("peak_gib", "peak")):
+        if cb.get(key) and r.get(key):
+            return f"{cb[key] / r[key]:.2f}x {label}"
+    return "-"
+
+
+def _gap(r: dict) -> str:
+    """Generator-vs-trainer logprob gap (mean / max) and TRL's importance-sampling ratio (mean, min)."""
+    parts = []
+    if r.get("logp_gap_mean") is not None:
+        parts.append(f"{_fmt(r['logp_gap_mean'], 3)} / {_fmt(r['logp_gap_max'], 3)}")
+    if r.get("is_ratio_mean") is not None:
+        parts.append(f"IS {_fmt(r['is_ratio_mean'], 3)} (min {_fmt(r['is_ratio_min'], 3)})")
+    return "; ".join(parts) or "-"
+
+
 def summary_table(rows: list[dict]) -> str:
     """One line per backend; ratios are peer / cb_sync for time and cb_sync / peer for memory, this run only."""
     cb = next((r for r in rows if r["engine"] == "cb_sync" and r.get("step_ms") is not None), None)
     out = []
     for r in rows:
-        note = r.get("skipped") or (f"error: {r['error'][:100]}" if r.get("error") else "")
+        note = r.get("skipped") or (f"error: {r['error'][:300]}" if r.get("error") else "")
         if r.get("step_ms") is None:
-            out.append([r["engine"], "-", "-", "-", "-", "-", "-", note or "no step finished"])
+            out.append([r["engine"], "-", "-", "-", "-", "-", "-", "-", "-", note or "no step finished"])
             continue
         ratio = "-"
         if cb is not None and r is not cb:
-            mem = f"{cb['peak_gib'] / r['peak_gib']:.2f}x" if cb.get("peak_gib") and r.get("peak_gib") else "-"
-            ratio = f"{r['step_ms'] / cb['step_ms']:.2f}x / {r['gen_ms'] / cb['gen_ms']:.2f}x / {mem}"
-        verdict = (f"reference ({_verdict(r.get('gate_self'))})" if r["engine"] == REFERENCE
-                   else _verdict(r.get("gate") or r.get("gate_self")))
+            ratio = (f"{r['step_ms'] / cb['step_ms']:.2f}x / {r['gen_ms'] / cb['gen_ms']:.2f}x / "
+                     f"{_memory_ratio(cb, r)}")
+        gate = r.get("gate") or r.get("gate_self")
+        verdict = f"reference ({_verdict(gate)})" if r["engine"] == REFERENCE else _verdict(gate)
+        trained = (gate or {}).get("checks", {}).get("trained")
+        if trained is not None and trained["pass"] is False:
+            verdict += " (trained nothing" + (": IS correction masked every sequence)" if trained["masked_by_is"]
+                                              else ")")
         steps = f"{len(r['per_step'])}/{r['steps']}" + (" (time limit)" if r.get("stopped_early") else "")
         if r.get("median_includes_warmup"):
             steps += ", medians over warm-up steps only"
-        out.append([r["engine"], steps, r["step_ms"], r["gen_ms"], _fmt(r["peak_gib"]), _fmt(r["mean_completion_len"]),
-                    verdict, ratio + (f" ({note})" if note else "")])
-    return markdown_table(["backend", "steps", "median step ms", "median rollout ms", "peak GiB", "completion len",
-                           "gate", "peer/cb_sync: step time / rollout time; cb_sync/peer: peak memory"], out)
+        out.append([r["engine"], steps, r["step_ms"], r["gen_ms"], _fmt(r["peak_gib"]), _fmt(r.get("card_gib")),
+                    _fmt(r["mean_completion_len"]), _gap(r), verdict, ratio + (f" ({note})" if note else "")])
+    return markdown_table(["backend", "steps", "median step ms", "median rollout ms", "peak GiB (torch)",
+                           "card GiB in use (max)", "completion len", "logprob gap mean / max; IS ratio", "gate",
+                           "peer/cb_sync: step time / rollout time; cb_sync/peer: memory"], out)
 
 
 def step_table(per_step: list[dict]) -> str:
-    keys = ["step", "step_s", "gen_s", "peak_gib", "loss", "reward", "reward_std", "kl", "grad_norm",
-            "completion_len", "logp_gap_mean", "logp_gap_max"]
+    keys = ["step", "step_s", "gen_s", "peak_gib", "card_gib", "loss", "reward", "reward_std", "kl", "grad_norm",
+            "completion_len", "logp_gap_mean", "logp_gap_max", "is_ratio_min", "is_ratio_mean", "is_ratio_max"]
     return markdown_table(keys, [[_fmt(r.get(k)) for k in keys] for r in per_step])
 
 
@@ -66,6 +90,13 @@ def _describe(name: str, check: dict) -> str:
         extra = f" (max {check['max']:.3g}, {tol})"
     elif name == "signal":
         extra = f" ({check['steps_with_signal']} steps with reward_std > 0 and grad_norm > 0)"
+    elif name == "trained":
+        extra = f" (loss and grad norm 0 on {check['idle_steps']} of {check['steps']} steps"
+        if check["pass"] is False:
+            extra += ": trained nothing"
+            if check["masked_by_is"]:
+                extra += "; IS ratio max 0 on every step: the importance-sampling correction masked every sequence"
+        extra += ")"
     elif name == "steps":
         extra = f" ({check['other']} of {check['expected']})"
     return f"{name} {verdict}{extra}"
@@ -90,14 +121,25 @@ def notes(args, rows: list[dict]) -> list[str]:
                    "model, LoRA included, to bf16 before each `generate_batch` (the other backends keep LoRA in fp32). "
                    + ("Its KV cache is TRL's default, 50% of free device memory." if not args.tiny
                       else "Its KV cache is 16 blocks here (CPU)."))
+    if ran & {"trl_vllm", "trl_vllm_sleep"}:
+        out.append("- trl_vllm, trl_vllm_sleep: TRL's vLLM colocate path with its defaults (vLLM reserves "
+                   "vllm_gpu_memory_utilization of the card; importance-sampling correction on, sequence_mask); TRL "
+                   "merges the LoRA into the bf16 weights and loads them into vLLM before each rollout, so vLLM "
+                   "decodes without LoRA; trl_vllm_sleep frees vLLM's weights and KV pool outside the rollout.")
+    if "unsloth" in ran:
+        out.append("- unsloth: Unsloth's own GRPO path (FastLanguageModel, fast_inference=False: its HF-generate "
+                   "rollouts), its LoRA via get_peft_model (use_gradient_checkpointing='unsloth'), in its own "
+                   "process with TRL <= 1.15.")
     if not args.tiny:
         out.append("- Outside reference (B200, the reference notebook, not comparable as a ratio): vLLM median step "
                    "4.14 s at 158 GB peak; Unsloth HF path 23.95 s at 10.7 GB; transformers CB 36 s at 55.6 GB.")
     return ["## Notes", "", *out, ""] if out else []
 
 
-def report(args, rows: list[dict], prompt_len: int) -> str:
+def report(args, rows: list[dict], prompt_len: int, sources: list[str] = (), differ: list[str] = ()) -> str:
+    """<name>.md; `sources`: the runs a merged report was made from, `differ`: settings that differ between them."""
     shape = "tiny Qwen3 (2 layers, vocab 512), fp32, CPU" if args.tiny else "Qwen3-4B shape, bf16"
+    card = next((r["card"] for r in rows if r.get("card")), None) or environment()["card"]
     prints = {json.dumps(r["init_fingerprint"], sort_keys=True) for r in rows if r.get("init_fingerprint")}
     same = ("identical across backends" if len(prints) == 1 else "DIFFERENT across backends" if prints
             else "not recorded")
@@ -105,17 +147,23 @@ def report(args, rows: list[dict], prompt_len: int) -> str:
             f"{args.steps} steps ({args.warmup} warm-up, left out of the medians), {GEN_BATCH} completions per step "
             f"(1 prompt x 4 generations), prompt {prompt_len} tokens, completions to {args.max_completion} tokens "
             f"(EOS silenced), temperature 0.1, top_p 0.97, min_p 0.5, top_k 5, lr 5e-6, beta {args.beta}, "
-            f"seed {args.seed}. The backends ran in one process on one device ({environment()['card']}), one after "
-            f"the other, each on a freshly built copy of the same weights (initial trainable weights {same}). "
+            f"seed {args.seed}. The backends ran on one device ({card}), one after the other "
+            f"({', '.join(OWN_PROCESS)} each in a process of its own, the others in the run's process), each on a "
+            f"freshly built copy of the same weights (initial trainable weights {same}). "
             "Step time: optimizer step begin to end (rollout, rewards, logprob passes, backward, optimizer), device "
             "synchronised; rollout time: TRL's `_generate`. Peak GiB: max over timed steps of "
-            "torch.cuda.max_memory_allocated (reset at every step begin).",
+            "torch.cuda.max_memory_allocated (reset at every step begin). Card GiB: the device's memory in use "
+            "(torch.cuda.mem_get_info: every process and pool, vLLM's included), the max over a step's samples "
+            "(after the rollout, after vLLM's generate, at the step's end), max over timed steps."
+            + (f" Merged from the runs {', '.join(sources)} (one machine, one lease)." if sources else "")
+            + (f" These settings DIFFER between them: {', '.join(differ)}." if differ else ""),
             "", "## Summary", "", summary_table(rows),
             "## Equivalence gate", "",
             f"Against {REFERENCE}: every step done, finite losses and grad norms, mean reward within the reward "
             f"functions' range {list(REWARD_RANGE)}, some step with non-zero advantages (reward_std > 0 and "
-            f"grad_norm > 0), per-step |KL - KL_ref| <= {args.kl_atol:g} + {args.kl_rtol:g} x |KL_ref| (backends draw "
-            "different samples, so KL can agree only statistically); cb_sync's generator-vs-trainer logprob gap is "
+            "grad_norm > 0), not loss and grad norm 0 on every step (trained nothing), "
+            f"per-step |KL - KL_ref| <= {args.kl_atol:g} + {args.kl_rtol:g} x |KL_ref| (backends draw "
+            "different samples, so KL can agree only statistically); the generator-vs-trainer logprob gap is "
             + (f"gated at {args.logp_gap_tol:g}." if args.logp_gap_tol is not None else "reported."), ""]
     text += gate_lines(rows) or ["- no backend finished a step"]
     text.append("")
@@ -127,13 +175,35 @@ def report(args, rows: list[dict], prompt_len: int) -> str:
             text += [f"## {r['engine']} per step (model and trainer built in {r.get('build_s', '-')} s{extra})", "",
                      step_table(r["per_step"])]
     text += notes(args, rows)
-    cb = next((r for r in rows if r["engine"] == "cb_sync" and r.get("per_step")), None)
-    if cb is not None:
-        text += ["## cb_sync: generator vs trainer logprob gap per step", "",
-                 "mean / max |log p_generator - log p_trainer| over completion tokens: "
-                 + ", ".join(f"step {s['step']}: {_fmt(s.get('logp_gap_mean'), 3)} / {_fmt(s.get('logp_gap_max'), 3)}"
-                             for s in cb["per_step"]), ""]
+    for r in rows:
+        if any(s.get("logp_gap_mean") is not None for s in r.get("per_step") or []):
+            text += [f"## {r['engine']}: generator vs trainer logprob gap per step", "",
+                     "mean / max |log p_generator - log p_trainer| over completion tokens: "
+                     + ", ".join(f"step {s['step']}: {_fmt(s.get('logp_gap_mean'), 3)} / "
+                                 f"{_fmt(s.get('logp_gap_max'), 3)}" for s in r["per_step"]), ""]
+        if r.get("weight_sync"):
+            text += [f"## {r['engine']}: does TRL's weight sync reach vLLM?", "", weight_sync_line(r["weight_sync"]),
+                     ""]
     return "\n".join(text)
+
+
+def weight_sync_line(check: dict) -> str:
+    """One sentence from grpo_peers.weight_sync_check's result."""
+    if "error" in check:
+        return f"Not checked: {check['error']}"
+    return (f"After the last optimizer step, TRL's sync pushed the trainer's weights into vLLM once more; "
+            f"`{check['name']}` in vLLM then differed from the trainer's merged weight (W + B A s as PEFT merges it, "
+            f"computed here) in {check['mismatch_vs_trainer']} of {check['numel']} elements (max |diff| "
+            f"{_fmt(check['max_abs_vs_trainer'], 3)}); it differed from the checkpoint vLLM started from in "
+            f"{check['changed_vs_start']} elements (the LoRA update's max |B A s| {_fmt(check['lora_delta_max'], 3)}, "
+            f"so {check['expected_changed']} elements had to change); the sync changed "
+            f"{_fmt(check.get('changed_by_last_sync'))} elements of vLLM's copy. The trainer's frozen base weight "
+            f"differs from the checkpoint in {check['base_drift']} elements (TRL merges and unmerges the adapter in "
+            f"the weights' dtype at every sync). Verdict: {SYNC_VERDICTS[check['reaches']]}.")
+
+
+SYNC_VERDICTS = {True: "the sync reaches vLLM", False: "the sync does NOT reach vLLM",
+                 None: "cannot tell (the LoRA update is below the weights' resolution everywhere)"}
 
 
 def plot(rows: list[dict], path: Path) -> bool:

@@ -1,18 +1,22 @@
 """Per-step statistics of a GRPO run (a `TrainerCallback`) and the equivalence gate between backends.
 
 `GRPOStats` records, for each optimizer step: wall time (step begin -> step end, the GPU synchronised), time spent in
-rollout generation (when the trainer's `_generate` is wrapped with `stats.timed`), peak GPU memory (reset at each step
-begin; None when `cuda=False`), and what TRL logs for the step: loss, reward, reward_std, KL, grad_norm, completion
-length, and cb_sync's `sampling/sampling_logp_difference/{mean,max}` when the trainer logs it. It also fingerprints
-the trainable weights at train begin, so runs can show they started from the same weights.
+rollout generation (when the trainer's `_generate` is wrapped with `stats.timed`), peak GPU memory (torch's counters,
+reset at each step begin; None when `cuda=False`), the card's memory in use (every process and pool on the device,
+sampled at the step's end, after each timed rollout and after each call wrapped with `stats.sampled`: vLLM's pool is
+not in torch's counters), and what TRL logs for the step: loss, reward, reward_std, KL, grad_norm, completion
+length, the generator-vs-trainer logprob gap `sampling/sampling_logp_difference/{mean,max}` (cb_sync, TRL + vLLM)
+and TRL's importance-sampling ratios `sampling/importance_sampling_ratio/{min,mean,max}` (TRL + vLLM). It also
+fingerprints the trainable weights at train begin, so runs can show they started from the same weights.
 
 With a `deadline` (a time.perf_counter() value) it stops training after the step whose successor would likely end
 past the deadline, once `min_steps` steps are done, and sets `stopped_early`.
 
 `compare(reference_rows, other_rows, kl_tol)` is the gate: a backend is taken as training "the same thing" as the
 reference (TRL's plain generate path) when its losses are finite, its rewards lie in the reward functions' range,
-and its per-step KL stays within `kl_tol + kl_rtol * |KL_ref|` of the reference's. Different backends draw different
-random samples, so only these coarse, sampling-tolerant properties are compared, never exact values.
+it trained at all (not loss and grad norm 0 on every step, as when TRL's importance-sampling correction masks every
+sequence), and its per-step KL stays within `kl_tol + kl_rtol * |KL_ref|` of the reference's. Different backends draw
+different random samples, so only these coarse, sampling-tolerant properties are compared, never exact values.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ LOGGED = {
     "frac_reward_zero_std": "frac_reward_zero_std",
     "logp_gap_mean": "sampling/sampling_logp_difference/mean",
     "logp_gap_max": "sampling/sampling_logp_difference/max",
+    "is_ratio_min": "sampling/importance_sampling_ratio/min",
+    "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
+    "is_ratio_max": "sampling/importance_sampling_ratio/max",
 }
 
 
@@ -59,6 +66,7 @@ class GRPOStats(TrainerCallback):
         self.init_fingerprint: dict | None = None
         self._t0 = 0.0
         self._gen_s = 0.0
+        self._card = None
 
     # -- timing of the rollout inside a step -------------------------------------------------------------------
 
@@ -73,8 +81,29 @@ class GRPOStats(TrainerCallback):
             finally:
                 self._sync()
                 self._gen_s += time.perf_counter() - start
+                self.sample_card()
 
         return wrapper
+
+    def sampled(self, fn):
+        """Wrap a callable (vLLM's generate, say) so that the card's memory in use is sampled when it returns."""
+
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sample_card()
+
+        return wrapper
+
+    def sample_card(self) -> float | None:
+        """The card's memory in use now (GiB, every process on the device); the step's maximum keeps it."""
+        if not self.cuda:
+            return None
+        free, total = torch.cuda.mem_get_info()
+        used = (total - free) / 2**30
+        self._card = used if self._card is None else max(self._card, used)
+        return used
 
     def _sync(self) -> None:
         if self.cuda:
@@ -91,13 +120,16 @@ class GRPOStats(TrainerCallback):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._gen_s = 0.0
+        self._card = None
         self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self._sync()
         step_s = time.perf_counter() - self._t0
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
-        self.rows.append({"step": state.global_step, "step_s": step_s, "gen_s": self._gen_s, "peak_gib": peak})
+        end = self.sample_card()
+        self.rows.append({"step": state.global_step, "step_s": step_s, "gen_s": self._gen_s, "peak_gib": peak,
+                          "card_gib": self._card, "card_end_gib": end})
         if (self.deadline is not None and len(self.rows) >= self.min_steps and state.global_step < state.max_steps
                 and time.perf_counter() + step_s > self.deadline):
             control.should_training_stop = True
@@ -139,10 +171,21 @@ def format_row(row: dict) -> str:
     parts = [f"step {row['step']}", f"{row['step_s']:.2f}s", f"gen {row['gen_s']:.2f}s"]
     if row.get("peak_gib") is not None:
         parts.append(f"peak {row['peak_gib']:.1f}GiB")
-    for key in ("loss", "reward", "kl", "grad_norm", "completion_len", "logp_gap_mean"):
+    if row.get("card_gib") is not None:
+        parts.append(f"card {row['card_gib']:.1f}GiB")
+    for key in ("loss", "reward", "kl", "grad_norm", "completion_len", "logp_gap_mean", "is_ratio_mean"):
         if row.get(key) is not None:
             parts.append(f"{key} {row[key]:.4g}")
     return " ".join(parts)
+
+
+def trained_check(rows: list[dict]) -> dict:
+    """The gate's "trained" check: fails when every step logged loss 0 and grad_norm 0."""
+    idle = [r for r in rows if r.get("loss") == 0 and r.get("grad_norm") == 0]
+    is_max = [r.get("is_ratio_max") for r in idle]
+    masked = bool(idle) and all(x is not None and x == 0 for x in is_max)
+    return {"pass": bool(rows) and len(idle) < len(rows), "idle_steps": len(idle), "steps": len(rows),
+            "masked_by_is": masked, "is_ratio_max": [r.get("is_ratio_max") for r in rows]}
 
 
 def _finite(x) -> bool:
@@ -161,6 +204,9 @@ def compare(reference_rows: list[dict], other_rows: list[dict], kl_tol: float, *
                      sum of their maxima).
       signal:        some step has reward_std > 0 and grad_norm > 0 (else the advantages were all zero, nothing was
                      learnt, and the KL comparison below is vacuous).
+      trained:       not every step has loss 0 and grad_norm 0 (a run that trained nothing: with TRL + vLLM, the
+                     importance-sampling correction masking every sequence, which `masked_by_is` names when the
+                     IS ratios are logged and their max is 0 on those steps).
       kl_close:      for every step both logged, |KL_other - KL_ref| <= kl_tol + kl_rtol * |KL_ref|.
       logp_gap:      (when `other_rows` carry cb_sync's logprob gap) the largest per-step max gap between generator
                      and trainer logprobs; gated against logp_gap_tol when given, else reported only.
@@ -178,6 +224,7 @@ def compare(reference_rows: list[dict], other_rows: list[dict], kl_tol: float, *
 
     learning = [r for r in other_rows if (r.get("reward_std") or 0) > 0 and (r.get("grad_norm") or 0) > 0]
     checks["signal"] = {"pass": bool(learning), "steps_with_signal": len(learning)}
+    checks["trained"] = trained_check(other_rows)
 
     rewards = [r.get("reward") for r in other_rows]
     if reward_range is None:

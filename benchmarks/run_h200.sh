@@ -4,8 +4,9 @@
 #   bash benchmarks/run_h200.sh throughput [ARGS]             Workload T vs HF generate and transformers CB
 #   bash benchmarks/run_h200.sh decode [ARGS]                 decode-step probe per bucket, eager vs graph
 #   bash benchmarks/run_h200.sh loop [ARGS]                   driver-loop probe: wall ms per step vs replay
-#   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs trl, datasets, multiprocess, dill, xxhash wheels in .whl/
-#     (the image's own pyarrow is used: a carried pyarrow wheel is left out)
+#   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs .whl/ (benchmarks/peers_wheels.sh)
+#     and a dill wheel (carry .vllm-wheels/p6 or .unsloth-wheels too); the image's own pyarrow is used
+#   The peers (vLLM, TRL + vLLM, Unsloth): benchmarks/peers_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
@@ -28,8 +29,9 @@ case "$stage" in
     timeout 550 python -m benchmarks.decode_loop --out "$OUT" "$@" 2>&1 | tee "$OUT/decode_loop.log" ;;
   grpo)
     rm -rf /tmp/site
+    dill=$(ls .whl/dill-*.whl .vllm-wheels/p6/dill-*.whl .unsloth-wheels/dill-*.whl 2>/dev/null | head -1)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      $(ls .whl/*.whl | grep -v pyarrow) || exit
+      $(ls .whl/*.whl | grep -v -e pyarrow -e dill) $dill || exit
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     timeout -s INT -k 15 550 python -m benchmarks.grpo --out "$OUT" "$@" 2>&1 | tee "$OUT/grpo.log" ;;
   grpo_ddp)   # Workload G on 1 GPU, then on 2 (accelerate launch; nvidia-h200-x2); the wheels of grpo

@@ -7,14 +7,17 @@ cb_sync and its peers run on the same card in one run; the table gives ratios fr
 Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's LoRA forward), cb_sync_compiled
 (+ torch.compile, which also runs the steps that are not pure decode; compiled engines run after the others so that
 one compile serves every batch), hf_generate, hf_generate_static
-(static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb.
+(static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb; with
+--isolate also vllm (LoRA r32 through vLLM's LoRARequest) and vllm_nolora (benchmarks/peers_vllm.py: one engine
+serves every batch size, its start is timed, and its rows record the card's memory it holds and reserves).
 
 With --isolate each engine runs in a process of its own (all its batch sizes), one after the other; without it, all
-run in this process. Each row is one engine at one batch size after a warm-up call: cb_sync's rows give the median
-of REPEATS timed calls (all in `call_s`), the peers' one timed call (they take 3-20x longer). Between rows the
-process collects its garbage and returns cached GPU memory; each row records the cyclic garbage collector's pauses
-within its timed calls (`gc_s`), the objects it tracks, the live threads and the card's temperature, clock and power
-after the row.
+run in this process. --time-limit bounds an isolated run: an engine still running then is stopped, and its missing
+rows say so, as the rows of an engine that failed carry its error. Each row is one engine at one batch size after a
+warm-up call: cb_sync's and vLLM's rows give the median of REPEATS timed calls (all in `call_s`), the other peers'
+one timed call (they take 3-20x longer). Between rows the process collects its garbage and returns cached GPU memory;
+each row records the cyclic garbage collector's pauses within its timed calls (`gc_s`), the objects it tracks, the
+live threads and the card's temperature, clock and power after the row.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import argparse
 import contextlib
 import gc
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, gpu_state, markdown_table, write_results
+from benchmarks.isolation import run_child
 
 PREFILL_TOKENS = 16384   # cb_sync's max_batch_tokens: the prompts of batch 128 (128 x 128 tokens) in one step
 REPEATS = 3              # timed calls per cb_sync row (the median is reported)
@@ -154,14 +157,22 @@ ENGINES = {
     "hf_generate_static": lambda *a: run_hf_generate(*a, static=True),     # + static cache, compiled by HF
     "transformers_cb": run_transformers_cb,
 }
-PEERS = ("hf_generate", "hf_generate_static", "transformers_cb")
+VLLM_ENGINES = ("vllm", "vllm_nolora")          # --isolate only: benchmarks.peers_vllm, one engine per process
+PEERS = ("hf_generate", "hf_generate_static", "transformers_cb", *VLLM_ENGINES)
+CROSS_ADAPTER_PEERS = ("vllm_nolora",)           # compared with every row of its batch, with or without an adapter
 DEFAULT_ENGINES = ("cb_sync", "hf_generate", "transformers_cb")   # hf_generate_static compiles per batch size
+
+
+def make_prompts(vocab_size: int, batches: list[int], prompt_len: int) -> dict[int, list[list[int]]]:
+    """The random prompts of every batch size, the same for every engine and process."""
+    gen = torch.Generator().manual_seed(0)
+    return {batch: torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).tolist() for batch in batches}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
-    parser.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES), choices=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES), choices=[*ENGINES, *VLLM_ENGINES])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--no-lora-engines", nargs="*", default=["cb_sync"], choices=list(ENGINES),
@@ -170,28 +181,35 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tiny", action="store_true",
                         help="CPU plumbing check: tiny Qwen3 in fp32, batches 2 and 4, 8-token prompts, 8 new tokens")
-    parser.add_argument("--from-json", action="store_true",
-                        help="measure nothing: redraw <out>/<name>.md and .png from <out>/<name>.json")
+    parser.add_argument("--from-json", nargs="*", default=None, metavar="FILE",
+                        help="measure nothing: redraw <out>/<name>.md and .png from <out>/<name>.json; with FILEs, "
+                             "that json is first their rows merged (runs of one machine, in several calls)")
     parser.add_argument("--isolate", action="store_true",
                         help="each engine in a process of its own, one after the other, on the same card")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="--isolate: seconds for all engines together; an engine still running then is stopped")
     args = parser.parse_args(argv)
-    if args.from_json:
+    if not args.isolate and set(args.engines) & set(VLLM_ENGINES):
+        parser.error(f"{', '.join(VLLM_ENGINES)} run with --isolate only (one engine start serves every batch)")
+    if args.from_json is not None:
+        if args.from_json:
+            merged = [row for path in args.from_json for row in json.loads(Path(path).read_text())]
+            (args.out / f"{args.name}.json").write_text(json.dumps(merged, indent=1))
         rows = json.loads((args.out / f"{args.name}.json").read_text())
         (args.out / f"{args.name}.md").write_text(_table(rows))
-        plot(rows, args.out / f"{args.name}.png")
+        plot([row for row in rows if row.get("tok_per_s")], args.out / f"{args.name}.png")
         return
     if args.tiny and args.engines == list(DEFAULT_ENGINES):   # transformers CB spends ~10 s a call starting on the CPU
         args.engines = ["cb_sync", "hf_generate"]
+    if args.tiny:
+        args.batches, args.prompt_len, args.new_tokens = [2, 4], 8, 8
     if args.isolate:
         return _isolated(args)
     if args.tiny:
-        args.batches, args.prompt_len, args.new_tokens = [2, 4], 8, 8
         model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
     else:
         model = build_model(lora=True)
-    gen = torch.Generator().manual_seed(0)
-    prompts = {batch: torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-               for batch in args.batches}
+    prompts = make_prompts(model.config.vocab_size, args.batches, args.prompt_len)
     jobs = []
     for compiled in (False, True):      # compiled engines last: their one compile serves every batch size
         for batch in args.batches:
@@ -227,25 +245,59 @@ def main(argv=None):
 
 
 def _isolated(args) -> list[dict]:
-    """Run each engine (all its batches) in a fresh process, in the order the jobs would run in one process, so that
-    no engine runs after what another left behind (threads, cached memory, compiled state); merge their rows."""
-    order = sorted(args.engines, key=lambda engine: engine.endswith("_compiled"))     # (a stable sort)
+    """Run each engine (all its batches) in a fresh process, in the order the jobs would run in one process (the
+    vLLM engines last), so that no engine runs after what another left behind (threads, cached memory, compiled
+    state, an engine's worker: its process group is ended and the card's memory awaited); merge their rows. A row
+    an engine did not write is a row with the reason."""
+    order = sorted(args.engines, key=lambda engine: (engine in VLLM_ENGINES, engine.endswith("_compiled")))
+    stop = None if args.time_limit is None else time.monotonic() + args.time_limit
     rows = []
     for engine in order:
         name = f"{args.name}_{engine}"
-        command = [sys.executable, "-m", "benchmarks.throughput", "--engines", engine, "--name", name,
-                   "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len),
-                   "--new-tokens", str(args.new_tokens), "--no-lora-engines",
-                   *[e for e in args.no_lora_engines if e == engine], *(["--tiny"] if args.tiny else [])]
-        subprocess.run(command, check=False)        # an engine that fails is reported by the rows it left out
+        left = None if stop is None else stop - time.monotonic()
+        if left is not None and left <= 0:
+            rows += _missing_rows(engine, args, [], "not run: the run's --time-limit was used up")
+            continue
+        outcome = run_child(_engine_command(engine, args, name), timeout=left)
         path = args.out / f"{name}.json"
-        if path.is_file():
-            rows += [{**row, "process": "own"} for row in json.loads(path.read_text())]
+        got = [{**row, "process": "own"} for row in json.loads(path.read_text())] if path.is_file() else []
+        rows += got + _missing_rows(engine, args, got, outcome.reason(left), outcome.tail)
         for suffix in (".json", ".md", ".png"):
             (args.out / f"{name}{suffix}").unlink(missing_ok=True)
         write_results(args.name, rows, _table(rows), args.out)
-    plot(rows, args.out / f"{args.name}.png")
+    plot([row for row in rows if row.get("tok_per_s")], args.out / f"{args.name}.png")
     print(_table(rows))
+    return rows
+
+
+def _engine_command(engine: str, args, name: str) -> list[str]:
+    shared = ["--name", name, "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len",
+              str(args.prompt_len), "--new-tokens", str(args.new_tokens), *(["--tiny"] if args.tiny else [])]
+    if engine in VLLM_ENGINES:
+        return [sys.executable, "-m", "benchmarks.peers_vllm", "--engine", engine, *shared]
+    return [sys.executable, "-m", "benchmarks.throughput", "--engines", engine, *shared, "--no-lora-engines",
+            *[e for e in args.no_lora_engines if e == engine]]
+
+
+def _expected(engine: str, args) -> list[tuple[int, bool]]:
+    """(batch, lora) of every row the engine should write."""
+    adapters = [engine != "vllm_nolora"] + ([False] if engine in args.no_lora_engines and engine not in
+                                            VLLM_ENGINES else [])
+    return [(batch, lora) for batch in args.batches for lora in adapters]
+
+
+def _missing_rows(engine: str, args, got: list[dict], reason: str, tail: list[str] = ()) -> list[dict]:
+    """A row with the reason for every (batch, lora) the engine left out; the engine's own 'failed' line for that
+    batch, where it printed one, is the reason."""
+    have = {(row["batch"], row["lora"]) for row in got}
+    rows = []
+    for batch, lora in _expected(engine, args):
+        if (batch, lora) in have:
+            continue
+        printed = [line for line in tail if line.startswith(f"{engine} batch {batch} failed:")]
+        rows.append({"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora,
+                     "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "process": "own",
+                     "error": printed[-1] if printed else reason})
     return rows
 
 
@@ -276,19 +328,33 @@ def plot(rows: list[dict], path) -> None:
     plt.close(fig)
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if a < 10 * b else f"{a / b:.1f}x"
+
+
 def _table(rows):
+    """One line per row; an engine's ratio to every peer of the same run at its batch size and adapter setting
+    (to vllm_nolora whatever its setting); rows that could not run give their error."""
+    measured = [r for r in rows if r.get("tok_per_s")]
     out = []
     for row in rows:
+        if not row.get("tok_per_s"):
+            out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], "-", "-", "-", "-", "-", "-",
+                        f"could not run: {row.get('error', 'no result')}"])
+            continue
         ratios = []
-        for peer in rows:
-            if (peer["batch"], peer["lora"]) == (row["batch"], row["lora"]) and peer["engine"] in PEERS \
-                    and row["engine"] not in PEERS:
-                ratios.append(f"{row['tok_per_s'] / peer['tok_per_s']:.1f}x {peer['engine']}")
-        out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"], row["peak_gib"],
-                    "-" if row["pct_of_floor"] is None else f"{row['pct_of_floor']}%", row.get("first_call_s", "-"),
-                    ", ".join(ratios) or "-"])
-    return markdown_table(["engine", "LoRA", "batch", "tok/s", "peak GiB", "of floor", "first call s",
-                           "vs peer (same run)"], out)
+        for peer in measured:
+            if peer["engine"] in PEERS and row["engine"] not in PEERS and peer["batch"] == row["batch"] and (
+                    peer["lora"] == row["lora"] or peer["engine"] in CROSS_ADAPTER_PEERS):
+                ratios.append(f"{_ratio(row['tok_per_s'], peer['tok_per_s'])} {peer['engine']}")
+        card = (f"{row['card_held_gib']} / {row['card_reserved_gib']}" if row.get("card_held_gib") is not None
+                else "-")
+        out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"],
+                    "-" if row.get("peak_gib") is None else row["peak_gib"], card,
+                    "-" if row.get("pct_of_floor") is None else f"{row['pct_of_floor']}%",
+                    row.get("first_call_s", "-"), row.get("engine_start_s", "-"), ", ".join(ratios) or "-"])
+    return markdown_table(["engine", "LoRA", "batch", "tok/s", "peak GiB", "card GiB held / reserved", "of floor",
+                           "first call s", "engine start s", "vs peer (same run)"], out)
 
 
 if __name__ == "__main__":

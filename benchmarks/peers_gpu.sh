@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The benchmarks' peers on one H200 (vLLM 0.26.0, TRL 1.16 + vLLM colocate, Unsloth 2026.10.9), from the wheels of
+# benchmarks/peers_wheels.sh (.whl, .unsloth-wheels) and ../shared/peers/vllm_wheels.sh (.vllm-wheels/p1..p6).
+# One machine, calls back to back (its /tmp lives only while it stays warm). Results and one log go to $OUT.
+#   bash benchmarks/peers_gpu.sh STAGE [STAGE ...]
+#   copy1 .. copy5  carry .vllm-wheels/pN: part N of the vLLM wheel into /tmp/vl/
+#   tp_cb           Workload T, cb_sync_compiled in a process of its own         -> throughput_peers_cb.*
+#   tp_vllm         Workload T, vllm and vllm_nolora, one process each           -> throughput_peers_vllm.*
+#   tp_all          Workload T, cb_sync_compiled, vllm, vllm_nolora             -> throughput_peers.*
+#                   (vllm stages: carry .vllm-wheels/p6 and .whl; /tmp/vsite is made once from /tmp/vl's parts)
+#   grpo_cb         Workload G, cb_sync (compiled)                               -> grpo_peers_cb.*
+#                   (carry .whl and a dill wheel: .unsloth-wheels/dill-0.4.1-py3-none-any.whl or .vllm-wheels/p6)
+#   grpo_unsloth    Workload G, unsloth in a process of its own (carry .unsloth-wheels; this process takes
+#                   datasets from /tmp/vsite, else from /tmp/usite)             -> grpo_peers_unsloth.*
+#   grpo_vllm       Workload G, trl_vllm and trl_vllm_sleep, one process each   -> grpo_peers_vllm.*
+#   grpo_all        Workload G, cb_sync (compiled), trl_vllm, trl_vllm_sleep     -> grpo_peers.*
+# Merge the calls' results afterwards (CPU):
+#   python -m benchmarks.throughput --from-json DIR1/throughput_peers_cb.json DIR2/throughput_peers_vllm.json \
+#       --name throughput_peers
+#   python -m benchmarks.grpo --from-json DIR3/grpo_peers_cb.json DIR4/grpo_peers_vllm.json \
+#       DIR5/grpo_peers_unsloth.json --name grpo_peers
+# Stages of one call share its budget: a stage's time limit is a cap, and one that ends early leaves the rest.
+# CALL_BUDGET (seconds, default 570) bounds the whole call: each stage's time limit is what is left of it.
+# TP_ARGS / GRPO_ARGS are appended to the benchmarks' arguments.
+set -o pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn UNSLOTH_DISABLE_STATISTICS=1
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+T0=$(date +%s)
+BUDGET=${CALL_BUDGET:-570}
+W=vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
+W_SHA256=adb1e4c9b46d0dfdb094121ae5aad670a42412dd813ed4e5db069ed6a15006de
+GRPO_SHAPE="--steps 8 --warmup 2"
+
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+say() { echo "[peers_gpu +$(($(date +%s) - T0))s] $*"; }
+pip_target() {  # TARGET WHEEL...
+  local target=$1; shift
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$@"
+}
+
+site_vllm() {  # /tmp/vsite: vLLM + its packages + TRL 1.16 and datasets; without the vLLM parts, TRL and datasets
+  if [ -f /tmp/vsite/vllm/__init__.py ] && [ -f /tmp/vsite/trl/__init__.py ]; then
+    say "/tmp/vsite holds vLLM and TRL"
+  else
+    local parts; parts=$(ls /tmp/vl/$W.part-a? 2>/dev/null | wc -l)
+    if [ "$parts" = 5 ] && [ -d .vllm-wheels/p6 ] && [ -d .whl ]; then
+      cat /tmp/vl/$W.part-a? > /tmp/$W
+      if echo "$W_SHA256  /tmp/$W" | sha256sum -c --quiet; then
+        pip_target /tmp/vsite /tmp/$W .vllm-wheels/p6/*.whl .whl/*.whl && say "installed vLLM + TRL into /tmp/vsite"
+      else
+        say "the vLLM wheel put together from /tmp/vl does not match its sha256: vLLM left out"
+      fi
+      rm -f /tmp/$W
+    fi
+    if [ ! -f /tmp/vsite/trl/__init__.py ] && [ -d .whl ]; then
+      local dill; dill=$(ls .whl/dill-*.whl .vllm-wheels/p6/dill-*.whl .unsloth-wheels/dill-*.whl 2>/dev/null | head -1)
+      pip_target /tmp/vsite .whl/*.whl $dill && say "installed TRL + datasets (no vLLM: $parts of 5 parts in /tmp/vl)"
+    fi
+  fi
+  export PYTHONPATH=/tmp/vsite${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip list 2>/dev/null | grep -iE "^(vllm|trl|datasets|torch|transformers|peft|accelerate) " || true
+}
+
+site_unsloth() {  # /tmp/usite: Unsloth's own target directory
+  if [ ! -f /tmp/usite/unsloth/__init__.py ] && [ -d .unsloth-wheels ]; then
+    pip_target /tmp/usite .unsloth-wheels/*.whl && say "installed Unsloth's set into /tmp/usite"
+  fi
+}
+
+throughput() {  # NAME ENGINE...
+  local name=$1; shift
+  local limit; limit=$(left)
+  say "throughput $* (limit $limit s)"
+  timeout -s INT -k 30 "$limit" python3 -m benchmarks.throughput --isolate --engines "$@" --batches 4 32 128 \
+    --no-lora-engines --name "$name" --out "$OUT" --time-limit $((limit - 30)) $TP_ARGS
+}
+
+grpo() {  # NAME BACKEND... (flags first)
+  local name=$1; shift
+  local limit; limit=$(left)
+  say "grpo $* (limit $limit s)"
+  timeout -s INT -k 60 "$limit" python3 -m benchmarks.grpo "$@" $GRPO_SHAPE --time-limit $((limit - 60)) \
+    --unsloth-site /tmp/usite --name "$name" --out "$OUT" $GRPO_ARGS
+}
+
+run_stages() {
+  for stage in "$@"; do
+    case "$stage" in
+      copy[1-5])
+        mkdir -p /tmp/vl && cp .vllm-wheels/p${stage#copy}/* /tmp/vl/ && say "/tmp/vl: $(ls /tmp/vl | wc -l) parts" ;;
+      tp_cb)
+        throughput throughput_peers_cb cb_sync_compiled ;;
+      tp_vllm)
+        site_vllm
+        throughput throughput_peers_vllm vllm vllm_nolora ;;
+      tp_all)
+        site_vllm
+        throughput throughput_peers cb_sync_compiled vllm vllm_nolora ;;
+      grpo_cb)
+        site_vllm
+        grpo grpo_peers_cb --cb-compile --backends cb_sync ;;
+      grpo_unsloth)
+        site_unsloth
+        if [ -f /tmp/vsite/datasets/__init__.py ]; then export PYTHONPATH=/tmp/vsite${PYTHONPATH:+:$PYTHONPATH}
+        else export PYTHONPATH=/tmp/usite${PYTHONPATH:+:$PYTHONPATH}; fi   # this process needs datasets, not TRL
+        grpo grpo_peers_unsloth --backends unsloth ;;
+      grpo_vllm)
+        site_vllm
+        grpo grpo_peers_vllm --backends trl_vllm trl_vllm_sleep ;;
+      grpo_all)
+        site_vllm
+        grpo grpo_peers --cb-compile --backends cb_sync trl_vllm trl_vllm_sleep ;;
+      *) echo "unknown stage $stage" >&2; return 2 ;;
+    esac
+  done
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+  say "done"
+}
+
+run_stages "$@" 2>&1 | tee -a "$OUT/peers_gpu.log"
