@@ -33,7 +33,7 @@ def _timed(fn) -> float:
 
 def measure(label: str) -> list[dict]:
     from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-    from benchmarks.common import build_model
+    from benchmarks.common import build_model, floor_seconds_per_step
     model = build_model(lora=True)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -50,10 +50,13 @@ def measure(label: str) -> list[dict]:
         first = _timed(lambda: driver.generate(prompts, params))
         calls = [_timed(lambda: driver.generate(prompts, params)) for _ in range(REPEATS)]
         seconds = statistics.median(calls)
-        rows.append({"engine": "cb_sync_compiled", "code": label, "workload": workload, "lora": True,
-                     "batch": batch, "prompt_len": len(prompts[0]), "new_tokens": params.max_new_tokens,
-                     "tok_per_s": round(batch * params.max_new_tokens / seconds, 1), "seconds": round(seconds, 3),
-                     "ms_per_step": round(1e3 * seconds / params.max_new_tokens, 3),
+        new = params.max_new_tokens
+        floor = new * floor_seconds_per_step(batch, len(prompts[0]) + new // 2, True)
+        rows.append({"engine": "cb_sync_compiled", "code": label, "workload": workload, "model": "qwen3-4b-shape",
+                     "lora": True, "batch": batch, "prompt_len": len(prompts[0]), "new_tokens": new,
+                     "tok_per_s": round(batch * new / seconds, 1), "seconds": round(seconds, 3),
+                     "pct_of_floor": round(100 * floor / seconds, 1),
+                     "ms_per_step": round(1e3 * seconds / new, 3),
                      "call_s": [round(c, 3) for c in calls], "first_call_s": round(first, 2),
                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
         print(rows[-1], flush=True)
