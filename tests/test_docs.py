@@ -1,12 +1,15 @@
-"""What the docs promise: public docstrings name every field and default."""
+"""What the docs promise: public docstrings name every field and default, README and CI install torch alike."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 from cb_sync import GenerationResult, SamplingParams
 from cb_sync.integrations import transformers as cb_transformers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sampling_params_docstring_gives_every_field_and_default():
@@ -24,3 +27,14 @@ def test_generation_result_docstring_names_every_field():
 def test_public_integration_functions_have_docstrings():
     for name in ("enable", "disable", "is_enabled", "get_driver"):
         assert getattr(cb_transformers, name).__doc__, name
+
+
+def test_readme_and_ci_install_torch_as_they_say():
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    quick_start = readme[readme.index("## Quick start"):readme.index("## Use")]
+    cpu_index = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    commands = re.findall(r"```bash\n(.*?)```", quick_start, re.S)
+    assert commands and all(c.startswith(cpu_index) for c in commands)
+    assert "resolves to the CUDA build" in quick_start
+    assert re.search(r"^python -m pip install -q torch==2\.13\.0$", ci, re.M)     # CI reaches PyPI only
+    assert "--index-url https://download.pytorch.org/whl/cpu" in ci and "CUDA build" in ci
