@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import configparser
 import dataclasses
 import re
 from pathlib import Path
@@ -38,3 +39,13 @@ def test_readme_and_ci_install_torch_as_they_say():
     assert "resolves to the CUDA build" in quick_start
     assert re.search(r"^python -m pip install -q torch==2\.13\.0$", ci, re.M)     # CI reaches PyPI only
     assert "--index-url https://download.pytorch.org/whl/cpu" in ci and "CUDA build" in ci
+
+
+def test_slow_marker_is_registered_and_the_quick_subset_documented():
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    assert "--strict-markers" in ini["pytest"]["addopts"]
+    assert any(line.startswith("slow:") for line in ini["pytest"]["markers"].strip().splitlines())
+    tests = (ROOT / "README.md").read_text().split("## Tests", 1)[1]
+    assert 'python -m pytest -q -m "not slow"' in tests and "2 CPU cores" in tests
+    assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("python -m pytest -q")     # CI runs everything
