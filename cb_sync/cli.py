@@ -1,4 +1,5 @@
-"""Command line: `cb-sync demo` generates with a tiny embedded model on the CPU and checks it against HF."""
+"""Command line, `cb-sync` or `python -m cb_sync`: `demo` generates with a tiny embedded model on the CPU and checks
+it against HF generate."""
 
 from __future__ import annotations
 
@@ -47,16 +48,21 @@ def demo(num_prompts: int, max_new_tokens: int, seed: int) -> int:
     return 1 if mismatches else 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int > 0 (otherwise argparse's one-line error and exit code 2)."""
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from cb_sync import __version__
     parser = argparse.ArgumentParser(prog="cb-sync", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="tiny embedded model on the CPU, checked against HF generate")
-    run_demo.add_argument("--prompts", type=int, default=16)
-    run_demo.add_argument("--max-new-tokens", type=int, default=32)
-    run_demo.add_argument("--seed", type=int, default=0)
+    run_demo.add_argument("--prompts", type=positive_int, default=16, help="random prompts of 4-95 tokens (16)")
+    run_demo.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt (32)")
+    run_demo.add_argument("--seed", type=int, default=0, help="seed of the model's weights and the prompts (0)")
     args = parser.parse_args(argv)
     return demo(args.prompts, args.max_new_tokens, args.seed)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

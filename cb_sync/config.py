@@ -21,8 +21,8 @@ class CBConfig:
     attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton".
     cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton backend; the sdpa_paged
         reference syncs with the host and always runs eagerly).
-    compile: torch.compile the decode step before capture (CUDA only); prefill and mixed steps run the same
-        compiled function, uncaptured.
+    compile: torch.compile the decode step before capture (CUDA graphs only; elsewhere ignored with a warning);
+        prefill and mixed steps run the same compiled function, uncaptured.
     lora_kernels: with the Triton backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode
         steps, compiled steps and long eager prefill steps (same parameters, PEFT's function); False keeps PEFT's
         own forward.
@@ -59,12 +59,14 @@ class CBConfig:
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p).
+    """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p); defaults in brackets.
 
-    seed: None draws a fresh seed per request from torch's global generator.
-    eos_token_id: int, list of ints ([] = no EOS), or None for the model's generation config at call time.
-    stop_token_ids: extra tokens that end the request with finish_reason "stop".
-    logprobs: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy).
+    max_new_tokens [256]; do_sample: False = greedy [False]; temperature [1.0]; top_k: 0 = off [0]; top_p [1.0];
+    min_p [0.0]. The last four apply when do_sample.
+    seed: None draws a fresh one per request, from generate(seed=...) where given, else torch's global RNG [None].
+    eos_token_id: int, list of ints (empty = no EOS), None = the model's generation config at call time [None].
+    stop_token_ids: extra tokens that end the request with finish_reason "stop" [[]].
+    logprobs: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy) [False].
     """
 
     max_new_tokens: int = 256

@@ -20,6 +20,7 @@ from .request import GenerationResult, Request, Status
 from .runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
 from .runner.compiled import eager_forward
 from .scheduler import Scheduler
+from .validation import build_requests, check_fits
 
 
 class SyncCBDriver:
@@ -41,6 +42,10 @@ class SyncCBDriver:
         self.static_decode = static_decode
         check_supported(model)
         self._bind()
+        if self.config.compile and self.runner.replay is None:
+            warnings.warn(f"CBConfig(compile=True) is ignored on {self.device.type} with attn_backend="
+                          f"{self.config.attn_backend!r}, cuda_graphs={self.config.cuda_graphs}: only the CUDA-graph "
+                          "decode step (CUDA, triton backend) is compiled", stacklevel=2)
 
     def _bind(self) -> None:
         """Size the cache, backend and step executors for the model's current device and dtype."""
@@ -49,7 +54,6 @@ class SyncCBDriver:
         embeddings = base.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
-        self.max_positions = learned_position_limit(text_config)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
@@ -70,10 +74,6 @@ class SyncCBDriver:
             replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backend, tuning, buckets)
             if buckets[0] == 1:            # its counts of one specialised: the other steps would compile again
                 compiled = None
-        elif cfg.compile:
-            warnings.warn("CBConfig(compile=True) has no effect here: the decode step is compiled inside its CUDA "
-                          "graphs, which need a CUDA model, cuda_graphs=True and the Triton backend", UserWarning,
-                          stacklevel=3)
         return ModelRunner(self.model, self.cache, self.backend, tuning, replay, compiled, self.observer)
 
     def _follow_model(self) -> None:
@@ -85,17 +85,21 @@ class SyncCBDriver:
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress_bar: bool | None = None) -> list[GenerationResult]:
-        """Generate a continuation for every prompt (lists of token ids); results come back in input order.
+                 progress_bar: bool | None = None, *, seed: int | None = None) -> list[GenerationResult]:
+        """Generate a continuation for every prompt; results come back in input order.
 
+        prompts: lists of token ids (ints, numpy or torch integers), or a 2-D tensor or array.
         params: one SamplingParams for all prompts, or one per prompt. Bad input raises ValueError before any work.
+        seed: each request without a seed of its own derives a distinct one from it: the call is reproducible and
+            the G copies of a GRPO prompt differ. None draws them from torch's global RNG.
         """
-        if len(prompts) == 0:
+        base = base_model(self.model)
+        requests = build_requests(prompts, params, seed, self.vocab_size, base.generation_config)
+        if not requests:
             return []
         self._follow_model()
-        requests = self._build_requests(prompts, params)
-        self._check_fits(requests)
         cfg = self.config
+        check_fits(requests, base.config.get_text_config(), cfg.block_size, self._capacity_blocks())
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size,
                                                           self.cache.bytes_per_block, cfg.max_cache_gib)
         show = cfg.progress_bar if progress_bar is None else progress_bar
@@ -150,64 +154,7 @@ class SyncCBDriver:
             bar.update(request.params.max_new_tokens - len(request.output))
         bar.update(live)
 
-    def _check_fits(self, requests: list[Request]) -> None:
-        """ValueError for a request longer than the model's learned positions or than the whole cache."""
-        capacity = self._capacity_blocks()
-        for request in requests:
-            prefix = (f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
-                      f"{request.params.max_new_tokens}")
-            if self.max_positions is not None and request.max_tokens > self.max_positions:
-                raise ValueError(f"{prefix} exceeds the model's {self.max_positions} learned positions")
-            needed = blocks_for(request.max_tokens, self.config.block_size)
-            if needed > capacity:
-                raise ValueError(f"{prefix} needs {needed} KV blocks of {self.config.block_size} tokens, but the cache "
-                                 f"holds at most {capacity}")
-
     def _capacity_blocks(self) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
         return int(self.config.max_cache_gib * 2**30) // self.cache.bytes_per_block
-
-    def _build_requests(self, prompts, params) -> list[Request]:
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        unseeded = sum(isinstance(p, SamplingParams) and p.seed is None for p in params)
-        seeds = iter(torch.randint(0, 2**62, (unseeded,)).tolist())
-        generation_config = base_model(self.model).generation_config
-        default_eos = generation_config.eos_token_id if generation_config is not None else None
-        requests = []
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"request {index}: params must be SamplingParams, got {type(p).__name__}")
-            tokens = self._check_prompt(index, prompt)
-            eos = p.eos_token_id if p.eos_token_id is not None else default_eos
-            eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-            requests.append(Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids))
-        return requests
-
-    def _check_prompt(self, index: int, prompt) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
-        if len(prompt) == 0:
-            raise ValueError(f"request {index}: empty prompt")
-        for position, token in enumerate(prompt):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise ValueError(f"request {index}: token {token!r} at position {position} is not an id in "
-                                 f"[0, {self.vocab_size})")
-        return list(prompt)
-
-
-def learned_position_limit(text_config) -> int | None:
-    """The hard length limit of models with a learned position table (GPT-2, OPT, ...); None for rotary models."""
-    if any(getattr(text_config, name, None) is not None for name in ("rope_theta", "rope_parameters", "rope_scaling")):
-        return None
-    for name in ("max_position_embeddings", "n_positions"):
-        if getattr(text_config, name, None):
-            return getattr(text_config, name)
-    return None

@@ -66,15 +66,19 @@ class Request:
 
 @dataclass
 class GenerationResult:
-    """What generate() returns for one prompt, in input order."""
+    """What generate() returns for one prompt, in input order: request_id (the prompt's index), prompt_ids, token_ids
+    (the generated tokens only, the EOS or stop token included), logprobs (one per token with logprobs=True, else
+    None), finish_reason ("eos" | "stop" | "length") and seed (the request's sampling seed, its own or the one drawn
+    for it: SamplingParams(seed=seed) draws the same sampling noise again)."""
 
     request_id: int
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
+    seed: int
 
     @classmethod
     def of(cls, request: Request) -> GenerationResult:
         return cls(request.index, request.prompt, request.output,
-                   request.logprobs if request.params.logprobs else None, request.finish_reason)
+                   request.logprobs if request.params.logprobs else None, request.finish_reason, request.seed)

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models of real architectures (fp32, CPU) and the `gpu` and `slow` markers."""
+"""Shared fixtures: tiny random models of real architectures (fp32, CPU) and the `gpu` marker."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ ARCHS = {
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "slow: takes more than ~30 s on two CPU cores (runs by default)")
 
 
 def pytest_collection_modifyitems(config, items):

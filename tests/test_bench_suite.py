@@ -12,6 +12,7 @@ pytest.importorskip("datasets")
 from benchmarks import suite  # noqa: E402
 
 
+@pytest.mark.slow
 def test_tiny_suite_runs_every_cpu_part(tmp_path):
     assert suite.main(["--tiny", "--out", str(tmp_path)]) == {"throughput": "ok", "grpo": "ok"}
     rows = json.loads((tmp_path / "throughput.json").read_text())
@@ -30,6 +31,7 @@ def test_a_failing_part_is_reported_and_the_others_run(tmp_path, monkeypatch):
     assert (tmp_path / "grpo.json").is_file() and not (tmp_path / "throughput.json").exists()
 
 
+@pytest.mark.slow
 def test_isolated_engines_run_in_processes_of_their_own(tmp_path):
     from benchmarks import throughput
     rows = throughput.main(["--tiny", "--isolate", "--engines", "hf_generate", "cb_sync", "--no-lora-engines",

@@ -208,6 +208,7 @@ def _step_kind(chunks) -> str:
     return "one token a request, with decode rows" if all(n == 1 for n, _, _ in chunks) else "chunks and decode rows"
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_compiles_once_for_all_buckets_drivers_and_prefill_steps():
     """One compile serves every bucket, a second driver with a larger KV cache (same table width), and every step
     that is not pure decode, each through the compiled function: prefill of several requests, one request's
@@ -237,6 +238,7 @@ def test_compiled_decode_step_compiles_once_for_all_buckets_drivers_and_prefill_
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+@pytest.mark.slow
 def test_compiled_bucket_of_one_leaves_the_other_steps_eager():
     """max_batch_size=1 compiles the decode step for one row (its counts of one specialised): steps that are not
     pure decode stay eager rather than compile again."""
@@ -254,6 +256,7 @@ def test_compiled_bucket_of_one_leaves_the_other_steps_eager():
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "mistral"])
 def test_compiled_step_from_embeddings_matches_hf_greedy(name):
     """Compiled, the step starts from embeddings looked up outside the model's forward (Gemma scales them inside
@@ -292,6 +295,7 @@ def test_graphs_recaptured_when_the_autocast_state_changes():
     assert captured and all(graphs.graphs[k] is not captured[k] for k in captured)
 
 
+@pytest.mark.slow
 def test_a_failing_compile_warns_and_leaves_the_step_uncompiled(monkeypatch):
     model = make_model("qwen3", lora=True)
     driver = _compiled_static_path(model)
@@ -306,6 +310,7 @@ def test_a_failing_compile_warns_and_leaves_the_step_uncompiled(monkeypatch):
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
 
 
+@pytest.mark.slow
 def test_compiled_step_starts_from_ids_when_embeddings_alone_change_the_logits():
     """Models with per-layer token inputs (Gemma-3n) compute more from the ids than the embedding lookup: there
     the compiled step keeps the ids. Stand-in: a model whose forward shifts embeddings given without ids."""
@@ -337,6 +342,7 @@ def _cosine_kernel_calls(model, ids) -> int:
                for line in lines for name in names)
 
 
+@pytest.mark.slow
 def test_compiled_forward_computes_the_rotary_tables_once():
     """Inductor would evaluate cos/sin inside each layer's query and key kernels; with the tables materialized
     one kernel computes them. Eager calls return the module's own tables, nesting wraps once, and the forward is

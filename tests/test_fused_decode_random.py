@@ -26,6 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS = [(1, 1), (2, 2), (4, 1), (8, 2), (8, 1), (6, 2), (3, 1), (10, 2), (12, 4), (5, 5), (7, 1), (16, 2), (16, 1),
          (24, 1), (40, 2)]
 CASES = int(os.environ.get("FUZZ_CASES", "24"))   # random shapes per test (more: FUZZ_CASES=N)
+SEEDS = [seed if seed < 4 else pytest.param(seed, marks=pytest.mark.slow) for seed in range(CASES)]
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="reorders the interpreter's programs")
 
 
@@ -105,17 +106,18 @@ def shuffled_programs(monkeypatch):
     monkeypatch.setattr(builder, "set_grid_idx", grid_idx)
 
 
-@pytest.mark.parametrize("seed", range(CASES))
+@pytest.mark.parametrize("seed", SEEDS)
 def test_fused_decode_matches_store_then_attend(seed):
     run_case(seed)
 
 
 @interpreted
-@pytest.mark.parametrize("seed", range(CASES))
+@pytest.mark.parametrize("seed", SEEDS)
 def test_fused_decode_in_any_program_order(seed, shuffled_programs):
     run_case(10_000 + seed)
 
 
+@pytest.mark.slow
 @interpreted
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
 def test_prefix_shared_requests_decode_in_any_program_order(arch, shuffled_programs):

@@ -27,7 +27,7 @@ def test_mixed_lengths_match_hf(arch):
     _check_equal(model, prompts, params, results)
 
 
-@pytest.mark.parametrize("arch_name", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch_name", ["qwen3", pytest.param("mistral", marks=pytest.mark.slow)])
 def test_preemption_and_chunked_prefill_match_hf(arch_name):
     model = make_model(arch_name)
     prompts = random_prompts([40, 9, 70, 25, 2, 33])
@@ -37,6 +37,7 @@ def test_preemption_and_chunked_prefill_match_hf(arch_name):
     _check_equal(model, prompts, params, results)
 
 
+@pytest.mark.slow
 def test_preemption_really_happens():
     model = make_model("llama")
     prompts = random_prompts([30, 30, 30, 30])

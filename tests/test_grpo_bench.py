@@ -26,6 +26,7 @@ def tiny_run(tmp_path_factory):
     return out, {r["engine"]: r for r in rows}
 
 
+@pytest.mark.slow
 def test_tiny_suite_writes_results(tiny_run):
     out, rows = tiny_run
     assert list(rows) == list(grpo.BACKENDS)
@@ -42,6 +43,7 @@ def test_tiny_suite_writes_results(tiny_run):
     assert "needs a CUDA device" in rows["unsloth"]["skipped"] or "holds no unsloth" in rows["unsloth"]["skipped"]
 
 
+@pytest.mark.slow
 def test_tiny_suite_trains_every_backend(tiny_run):
     _, rows = tiny_run
     fingerprints = {json.dumps(rows[b]["init_fingerprint"], sort_keys=True) for b in RAN}
@@ -59,6 +61,7 @@ def test_tiny_suite_trains_every_backend(tiny_run):
         assert row["step_ms"] > 0 and row["timed_steps"] == 2         # 1 warm-up step left out
 
 
+@pytest.mark.slow
 def test_tiny_suite_gate_and_logprob_gap(tiny_run):
     _, rows = tiny_run
     for backend in ("cb_sync", "trl_cb"):

@@ -300,6 +300,7 @@ def test_base_in_the_kernel_matches_linear_then_lora(bias, base, spy):
         kernels.lora_linear_group(x, weights, biases[:1] or weights[:1], lora_as, lora_bs, scalings)
 
 
+@pytest.mark.slow
 def test_shared_input_hand_off_compiles_to_one_graph():
     """Under torch.compile (dynamic sizes, fullgraph) the hand-off between siblings traces without a graph break
     or a recompile, and the compiled forward equals the uncompiled one (q/k/v and gate/up with the base GEMMs in

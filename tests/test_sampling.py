@@ -122,6 +122,7 @@ def test_noise_is_strictly_inside_the_unit_interval():
     assert 0 < u.min() and u.max() < 1
 
 
+@pytest.mark.slow
 def test_peaked_logits_never_sample_another_token():
     """With a real vocabulary size, about 1% of rows used to draw u == 1 for some token (an infinite Gumbel)."""
     rows = 512

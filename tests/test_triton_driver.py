@@ -11,7 +11,7 @@ from conftest import hf_greedy, make_model, random_prompts
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_triton_backend_matches_hf_greedy(arch):
     model = make_model(arch)
     prompts = random_prompts([5, 30, 17])
@@ -20,6 +20,7 @@ def test_triton_backend_matches_hf_greedy(arch):
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
 
 
+@pytest.mark.slow
 def test_triton_backend_with_lora_kernels_matches_hf_greedy():
     """PEFT LoRA layers run the Triton LoRA kernel in decode steps; tokens stay HF's."""
     model = make_model("llama", lora=True)

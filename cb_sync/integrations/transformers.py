@@ -130,6 +130,7 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_enabled(model: torch.nn.Module) -> bool:
+    """Whether enable() has routed this model's generate_batch to cb_sync (and disable() has not undone it)."""
     return _STATE in model.__dict__
 
 

@@ -1,0 +1,90 @@
+"""generate()'s input checks: Requests from prompts and params, lengths against the model and the cache."""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .cache import blocks_for
+from .config import SamplingParams
+from .request import Request
+
+
+def build_requests(prompts, params, seed: int | None, vocab_size: int, generation_config) -> list[Request]:
+    """One Request per prompt (a 2-D tensor or array gives its rows); a request without a seed of its own draws one
+    from `seed` (None: torch's global RNG). Errors are ValueErrors naming the request and the bad value."""
+    rows = prompts.tolist() if hasattr(prompts, "tolist") else prompts
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    params = SamplingParams() if params is None else params
+    if isinstance(params, SamplingParams):
+        params = [params] * len(rows)
+    elif isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise ValueError(f"params must be a SamplingParams or a list of one per prompt, got {type(params).__name__}")
+    elif len(params) != len(rows):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(rows)} prompts")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
+    unseeded = sum(isinstance(p, SamplingParams) and p.seed is None for p in params)
+    generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+    seeds = iter(torch.randint(0, 2**62, (unseeded,), generator=generator).tolist())
+    default_eos = generation_config.eos_token_id if generation_config is not None else None
+    requests = []
+    for index, (prompt, p) in enumerate(zip(rows, params)):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"request {index}: params must be SamplingParams, got {type(p).__name__}")
+        tokens = _check_prompt(index, prompt, vocab_size)
+        eos = p.eos_token_id if p.eos_token_id is not None else default_eos
+        eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        requests.append(Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids))
+    return requests
+
+
+def _check_prompt(index: int, prompt, vocab_size: int) -> list[int]:
+    tokens = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
+    if len(tokens) == 0:
+        raise ValueError(f"request {index}: empty prompt")
+    for position, token in enumerate(tokens):
+        if type(token) is not int and (isinstance(token, bool) or not isinstance(token, numbers.Integral)):
+            raise ValueError(f"request {index}: token {token!r} at position {position} must be an int, "
+                             f"got {type(token).__name__}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"request {index}: token {int(token)} at position {position} is not an id in "
+                             f"[0, {vocab_size})")
+    return [int(token) for token in tokens]
+
+
+def check_fits(requests: list[Request], text_config, block_size: int, capacity: int) -> None:
+    """ValueError for a request longer than the model's learned positions or than the whole cache (`capacity`
+    blocks); a warning past a rotary model's max_position_embeddings, as HF generate's. A request feeds
+    len(prompt) + max_new_tokens - 1 positions: its last token is never fed back."""
+    learned = learned_position_limit(text_config)
+    rotary = None if learned is not None else getattr(text_config, "max_position_embeddings", None)
+    for request in requests:
+        prefix = (f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
+                  f"{request.params.max_new_tokens}")
+        if learned is not None and request.max_tokens - 1 > learned:
+            raise ValueError(f"{prefix} exceeds the model's {learned} learned positions")
+        if rotary is not None and request.max_tokens - 1 > rotary:
+            warnings.warn(f"generating past the model's max_position_embeddings ({rotary}): positions beyond it were "
+                          "not trained, the output may degrade", stacklevel=3)
+            rotary = None
+        needed = blocks_for(request.max_tokens, block_size)
+        if needed > capacity:
+            raise ValueError(f"{prefix} needs {needed} KV blocks of {block_size} tokens, but the cache "
+                             f"holds at most {capacity}")
+
+
+def learned_position_limit(text_config) -> int | None:
+    """The hard length limit of models with a learned position table (GPT-2, OPT, ...); None for rotary models."""
+    if any(getattr(text_config, name, None) is not None for name in ("rope_theta", "rope_parameters", "rope_scaling")):
+        return None
+    for name in ("max_position_embeddings", "n_positions"):
+        if getattr(text_config, name, None):
+            return getattr(text_config, name)
+    return None

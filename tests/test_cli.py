@@ -1,0 +1,49 @@
+"""The command line: `cb-sync` / `python -m cb_sync`, its version, help and errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cb_sync
+from cb_sync.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_python_dash_m_runs_the_command_line():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "cb_sync", "--version"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"cb-sync {cb_sync.__version__}"
+
+
+def test_demo_options_have_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option, text in [("--prompts", "random prompts"), ("--max-new-tokens", "tokens per prompt"),
+                         ("--seed", "seed of the model")]:
+        assert option in out and text in out
+
+
+@pytest.mark.parametrize("argv,option", [(["--prompts", "-1"], "--prompts"), (["--prompts", "0"], "--prompts"),
+                                         (["--max-new-tokens", "0"], "--max-new-tokens"),
+                                         (["--prompts", "many"], "--prompts")])
+def test_bad_values_give_a_one_line_error_and_exit_code_2(capsys, argv, option):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"cb-sync demo: error: argument {option}: must be a positive int, got {argv[1]!r}"]
+
+
+def test_demo_runs(capsys):
+    assert main(["demo", "--prompts", "2", "--max-new-tokens", "3"]) == 0
+    assert "greedy tokens equal to HF generate: 2/2" in capsys.readouterr().out

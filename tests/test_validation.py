@@ -1,0 +1,152 @@
+"""generate()'s input checks: what a first call gets wrong, the position limits, per-call seeds, compile off the GPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+
+from conftest import VOCAB, hf_greedy, make_model, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("qwen3")
+
+
+def no_work_driver(model) -> SyncCBDriver:
+    """A driver that fails the test if any step runs."""
+    return SyncCBDriver(model, observer=lambda step: pytest.fail("a step ran"))
+
+
+@pytest.mark.parametrize("prompts,kind", [(None, "NoneType"), (5, "int"), ((p for p in [[1, 2]]), "generator"),
+                                          ("1 2 3", "str"), ({0: [1, 2]}, "dict")])
+def test_prompts_that_are_not_a_list_raise_value_error(model, prompts, kind):
+    with pytest.raises(ValueError, match=f"prompts must be a list of token-id lists, got {kind}$"):
+        no_work_driver(model).generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"max_new_tokens": 2}, "params must be a SamplingParams or a list of one per prompt, got dict"),
+    ("greedy", "got str"),
+    ([SamplingParams(), {"max_new_tokens": 2}], "request 1: params must be SamplingParams, got dict")])
+def test_params_of_the_wrong_type_are_named(model, params, match):
+    with pytest.raises(ValueError, match=match):
+        no_work_driver(model).generate(random_prompts([3, 4]), params)
+
+
+@pytest.mark.parametrize("prompts,match", [
+    ([[1, 2], [3, 1.0]], r"request 1: token 1.0 at position 1 must be an int, got float"),
+    ([[True, 2]], "request 0: token True at position 0 must be an int, got bool"),
+    ([np.array([1, 2.0])], "request 0: token 1.0 at position 0 must be an int, got float"),
+    ([[np.int64(VOCAB)]], rf"request 0: token {VOCAB} at position 0 is not an id in \[0, {VOCAB}\)"),
+    ([torch.tensor([3, -1])], r"request 0: token -1 at position 1 is not an id")])
+def test_token_errors_say_what_is_wrong(model, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        no_work_driver(model).generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+def test_numpy_and_torch_token_ids_are_accepted(model):
+    prompts = random_prompts([6, 6])
+    driver = SyncCBDriver(model)
+    expected = [r.token_ids for r in driver.generate(prompts, SamplingParams(max_new_tokens=4))]
+    array = np.array(prompts)                       # what tokenizer(..., return_tensors="np")["input_ids"] gives
+    for given in (array, array.astype(np.int32), [[np.int64(t) for t in p] for p in prompts], list(array),
+                  torch.tensor(prompts), list(torch.tensor(prompts))):
+        results = driver.generate(given, SamplingParams(max_new_tokens=4))
+        assert [r.token_ids for r in results] == expected
+        assert all(type(t) is int for r in results for t in r.prompt_ids)
+
+
+def gpt2(n_positions: int):
+    from transformers import AutoModelForCausalLM, GPT2Config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_positions=n_positions, n_layer=2, n_embd=64, n_head=4,
+                                                        vocab_size=VOCAB, initializer_range=0.2)).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_learned_positions_bound_is_prompt_plus_new_tokens_minus_one():
+    """The last generated token is never fed back: a 64-token prompt fits a 64-position GPT-2 for one new token,
+    as in HF generate; a second new token needs position 64."""
+    model = gpt2(64)
+    driver = SyncCBDriver(model)
+    prompt, other = random_prompts([64, 60])
+    assert driver.generate([prompt], SamplingParams(max_new_tokens=1))[0].token_ids == hf_greedy(model, prompt, 1)
+    assert driver.generate([other], SamplingParams(max_new_tokens=5))[0].token_ids == hf_greedy(model, other, 5)
+    with pytest.raises(ValueError, match="request 1: prompt of 64 tokens plus max_new_tokens=2 exceeds the model's "
+                                         "64 learned positions"):
+        driver.generate([other, prompt], SamplingParams(max_new_tokens=2))
+
+
+def rotary_model(max_positions: int):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+                         max_position_embeddings=max_positions)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_rotary_model_past_max_position_embeddings_warns_once_and_runs():
+    model = rotary_model(32)
+    driver = SyncCBDriver(model)
+    prompts = random_prompts([30, 31, 5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        driver.generate(prompts, SamplingParams(max_new_tokens=2))          # 31 + 2 - 1 = 32 positions fit
+        driver.generate(prompts[:1], SamplingParams(max_new_tokens=3))      # 30 + 3 - 1 = 32 fit
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = driver.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [str(w.message) for w in caught] == [
+        "generating past the model's max_position_embeddings (32): positions beyond it were not trained, the output "
+        "may degrade"]
+    assert caught[0].filename == __file__                                   # points at the caller's line
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+def test_call_seed_gives_reproducible_and_distinct_group_members(model):
+    prompts = [random_prompts([8])[0]] * 4 + [random_prompts([5], seed=2)[0]] * 4     # two GRPO groups of 4
+    params = SamplingParams(max_new_tokens=12, do_sample=True, temperature=2.0)
+    driver = SyncCBDriver(model)
+    state = torch.get_rng_state()
+    first = driver.generate(prompts, params, seed=1234)
+    again = driver.generate(prompts, params, seed=1234)
+    other = driver.generate(prompts, params, seed=4321)
+    assert torch.equal(state, torch.get_rng_state())                        # the global RNG is left alone
+    tokens = [tuple(r.token_ids) for r in first]
+    assert tokens == [tuple(r.token_ids) for r in again]
+    assert len(set(tokens[:4])) == 4 and len(set(tokens[4:])) == 4
+    assert tokens != [tuple(r.token_ids) for r in other]
+    assert len({r.seed for r in first}) == 8
+    # a request's own seed wins over the call's; a result's seed replays that request
+    own = driver.generate(prompts[:2], [SamplingParams(max_new_tokens=12, do_sample=True, temperature=2.0,
+                                                       seed=first[1].seed), params], seed=99)
+    assert own[0].token_ids == first[1].token_ids and own[0].seed == first[1].seed
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "7"])
+def test_bad_call_seed(model, seed):
+    with pytest.raises(ValueError, match="seed must be None or an int in"):
+        no_work_driver(model).generate(random_prompts([3]), SamplingParams(max_new_tokens=2), seed=seed)
+
+
+@pytest.mark.parametrize("config", [CBConfig(compile=True), CBConfig(compile=True, attn_backend="sdpa_paged")])
+def test_compile_where_it_cannot_apply_warns_once(model, config):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            SyncCBDriver(model, config)
+    assert len(caught) == 1 and issubclass(caught[0].category, UserWarning)
+    assert "CBConfig(compile=True) is ignored on cpu" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SyncCBDriver(model, CBConfig())
