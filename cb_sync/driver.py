@@ -29,9 +29,9 @@ class SyncCBDriver:
     The driver runs the very modules it is given: weight updates between calls are seen by the next call.
     KV memory is allocated for each call's needs and kept for the next one until release().
 
-    observer: called with every step's output (`runner.StepOutput`) as it is launched, e.g. to time or count
-    steps. static_decode: run pure-decode steps through the static buffers of captured graphs (None: where CUDA
-    graphs apply; True also off CUDA, where a "graph" runs its step uncaptured: the CPU tests of that path).
+    observer: called with every step's output (`runner.StepOutput`) as it is launched. static_decode: pure-decode
+    steps replay captured graphs over static buffers (None: where CUDA graphs apply; True also off CUDA, where a
+    "graph" runs its step uncaptured, as the CPU tests of that path do).
     """
 
     def __init__(self, model: torch.nn.Module, config: CBConfig | None = None, *, observer=None,
@@ -70,7 +70,8 @@ class SyncCBDriver:
         if cfg.cuda_graphs and static:
             compiled = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
             # compiled, a bucket of one would be specialised into a second compile: one request pads to two rows
-            buckets = [b for b in decode_buckets(cfg.max_batch_size) if not compiled or b > 1 or b == cfg.max_batch_size]
+            buckets = [b for b in decode_buckets(cfg.max_batch_size) if not compiled or b > 1
+                       or b == cfg.max_batch_size]
             replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backend, tuning, buckets)
             if buckets[0] == 1:            # its counts of one specialised: the other steps would compile again
                 compiled = None
@@ -123,9 +124,9 @@ class SyncCBDriver:
             self.runner.replay.graphs.release()
 
     def _run(self, requests: list[Request], bar: tqdm) -> None:
-        """schedule -> execute -> update until every request has finished. A pure-decode step is launched before
-        the tokens of the step it continues are read (it takes them on the device), so the host's work overlaps the
-        GPU's; a request that ends on a stop or EOS token then has had one more row computed, which is dropped."""
+        """schedule -> execute -> update until every request has finished. A pure-decode step is launched before the
+        tokens of the step it continues are read (it takes them on the device), so the host's work overlaps the GPU's;
+        a request that ends on a stop or EOS token then has had one more row computed, which is dropped."""
         cfg = self.config
         scheduler = Scheduler(BlockAllocator(self.cache.num_blocks), cfg.block_size, cfg.max_batch_tokens,
                               cfg.max_batch_size, cfg.prefix_sharing)

@@ -76,23 +76,19 @@ def worker(out: Path) -> None:
     record = {"rank": rank, "world": trainer.accelerator.num_processes, "rollouts": [], "driver_calls": [],
               "seeds": [], "gathered": [], "local_logp_diff": []}
 
-    generate, build_requests = SyncCBDriver.generate, SyncCBDriver._build_requests
+    generate = SyncCBDriver.generate
 
-    def recording_generate(driver, prompts, params=None, progress_bar=None):
+    def recording_generate(driver, prompts, params=None, progress_bar=None, **kwargs):
         flags = [m.training for m in driver.model.modules()]
-        results = generate(driver, prompts, params, progress_bar)
+        results = generate(driver, prompts, params, progress_bar, **kwargs)
+        record["seeds"] += [r.seed for r in results]
         record["driver_calls"].append({
             "prompts": [list(p) for p in prompts], "completions": [r.token_ids for r in results],
             "train_before": all(flags), "train_restored": [m.training for m in driver.model.modules()] == flags,
             "blocks_after_generate": driver.cache.num_blocks})
         return results
 
-    def recording_build_requests(driver, prompts, params):
-        requests = build_requests(driver, prompts, params)
-        record["seeds"] += [r.seed for r in requests]
-        return requests
-
-    SyncCBDriver.generate, SyncCBDriver._build_requests = recording_generate, recording_build_requests
+    SyncCBDriver.generate = recording_generate
 
     rollout = trainer._generate
 

@@ -80,6 +80,24 @@ def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
 
 
 @triton.jit
+def _attend_range(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, lo, hi, kv_end, q_pos, row_valid, scale, softcap,
+                  window, block_size, head_dim, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Unnormalised online-softmax attention (acc, m in log2 units, l) of q's rows over keys [lo, hi) of one
+    request, in tiles of BLOCK_N from lo (keys at or past kv_end are never read)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, kv_end,
+                                     q_pos, row_valid, scale, softcap, window, block_size, head_dim,
+                                     stride_cb, stride_cs, stride_ch, stride_cd,
+                                     BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
                    query_start_loc_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
@@ -129,16 +147,10 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
     lo = part_start
     if HAS_WINDOW:
         lo = tl.maximum(lo, (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N)
-    hi = tl.minimum(part_start + PARTITION, seq_len)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    table_ptr = block_tables_ptr + req * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, seq_len,
-                                     q_pos, row_valid, scale, softcap, window, block_size, head_dim,
-                                     stride_cb, stride_cs, stride_ch, stride_cd,
-                                     BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
+    acc, m_i, l_i = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head, lo,
+                                  tl.minimum(part_start + PARTITION, seq_len), seq_len, q_pos, row_valid, scale,
+                                  softcap, window, block_size, head_dim, stride_cb, stride_cs, stride_ch, stride_cd,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
 
     if BLOCK_P == 1:
         tl.store(out_ptr + out_offs, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
@@ -228,15 +240,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     if HAS_WINDOW:
         lo = (tl.maximum(ctx_start + q0 - window + 1, 0) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(seq_len, ctx_start + q0 + BLOCK_Q)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    table_ptr = block_tables_ptr + req * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, hi,
-                                     q_pos, row_valid, scale, softcap, window, block_size, head_dim,
-                                     stride_cb, stride_cs, stride_ch, stride_cd,
-                                     BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
+    acc, m_i, l_i = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head, lo, hi,
+                                  hi, q_pos, row_valid, scale, softcap, window, block_size, head_dim,
+                                  stride_cb, stride_cs, stride_ch, stride_cd,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # seq_len 0 -> zeros
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,

@@ -1,7 +1,6 @@
 """Paged KV cache: block allocator, K/V pools, sizing."""
 
 from .block_allocator import BlockAllocator
-from .kv_cache import PagedKVCache
-from .sizing import blocks_for, blocks_to_allocate
+from .kv_cache import PagedKVCache, blocks_for, blocks_to_allocate
 
 __all__ = ["BlockAllocator", "PagedKVCache", "blocks_for", "blocks_to_allocate"]

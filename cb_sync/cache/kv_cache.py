@@ -1,24 +1,25 @@
-"""Per-layer paged K/V pools, allocated for what a call needs and given back by release()."""
+"""Per-layer paged K/V pools, allocated for what a call needs (`blocks_to_allocate`) and given back by release()."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 
+@dataclass(eq=False)
 class PagedKVCache:
     """K and V pools of shape [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.block_size = block_size
-        self.dtype = dtype
-        self.device = device
-        self.num_blocks = 0
-        self.k_caches: list[torch.Tensor] = []
-        self.v_caches: list[torch.Tensor] = []
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    num_blocks: int = 0
+    k_caches: list[torch.Tensor] = field(default_factory=list)
+    v_caches: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def bytes_per_block(self) -> int:
@@ -42,3 +43,19 @@ class PagedKVCache:
     def release(self) -> None:
         """Drop the pools so their memory can serve training."""
         self.k_caches, self.v_caches, self.num_blocks = [], [], 0
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def blocks_to_allocate(request_tokens: list[int], block_size: int, bytes_per_block: int,
+                       max_cache_gib: float) -> int:
+    """Blocks covering every request's whole sequence at once, capped by max_cache_gib.
+
+    The cap never goes below the largest single request (the caller has validated that one fits).
+    """
+    needed = sum(blocks_for(n, block_size) for n in request_tokens)
+    cap = int(max_cache_gib * 2**30) // bytes_per_block
+    largest = max(blocks_for(n, block_size) for n in request_tokens)
+    return max(min(needed, cap), largest)

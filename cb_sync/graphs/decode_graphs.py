@@ -1,12 +1,33 @@
-"""Captured decode steps: one CUDA graph per key (a bucket and a sampler kind), all in one memory pool, dropped
-whenever what they recorded changes (`keep_if`)."""
+"""Captured decode steps: which batch sizes get a graph (buckets), one CUDA graph per key (a bucket and a sampler
+kind), all in one memory pool, dropped whenever what they recorded changes (`keep_if`)."""
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 
 import torch
+
+
+def decode_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, then every 16, always ending at max_batch_size."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_batch_size]
+    sizes += range(48, max_batch_size, 16)
+    return sorted(set(sizes) | {max_batch_size})
+
+
+def bucket_for(num_requests: int, buckets: list[int]) -> int:
+    """The smallest bucket holding num_requests rows."""
+    index = bisect_left(buckets, num_requests)
+    if index == len(buckets):
+        raise ValueError(f"{num_requests} requests exceed the largest decode bucket {buckets[-1]}")
+    return buckets[index]
+
+
+def is_pure_decode(plan) -> bool:
+    """Every scheduled request feeds exactly one token and samples the next: static shapes once padded."""
+    return all(chunk.length == 1 and chunk.samples for chunk in plan)
 
 
 def model_fingerprint(modules: list[torch.nn.Module]) -> tuple:

@@ -1,21 +1,18 @@
-"""transformers drop-in: `enable(model)` makes `model.generate_batch` run on a persistent cb_sync driver.
+"""transformers drop-in: `enable(model)` makes `model.generate_batch` run on a persistent cb_sync driver, with
+transformers 5.17's signature and return type (a dict `req_0, req_1, ...` of `GenerationOutput`, in input order),
+so code written for transformers' continuous batching, such as TRL's `use_transformers_continuous_batching=True`
+path, runs on cb_sync unchanged.
 
-The installed method has transformers 5.17's signature and return type (a dict `req_0, req_1, ...` in input order of
-`GenerationOutput`), so code written for transformers' continuous batching, such as TRL's
-`use_transformers_continuous_batching=True` path, runs on cb_sync unchanged.
+A `GenerationConfig` is read as `model.generate()` reads it: fields left `None` come from `model.generation_config`,
+then from transformers' defaults (top-k 50 when sampling with `top_k` unset; 20 tokens minus the prompt without
+`max_new_tokens` or `max_length`). Honoured: `max_new_tokens` (else `max_length`), `do_sample`, `temperature`,
+`top_k`, `top_p`, `min_p`, `eos_token_id` (None or []: no EOS), `pad_token_id`. Other fields that would change the
+tokens (beams, repetition penalty, several return sequences, ...) raise ValueError naming them; fields that cannot
+(output flags, cache and compile settings, beam-only settings while num_beams == 1, ...) are ignored.
 
-How a `GenerationConfig` is read: like `model.generate()`, fields left `None` are taken from `model.generation_config`,
-then from transformers' global defaults (so sampling with `top_k` unset uses top-k 50, and with neither
-`max_new_tokens` nor `max_length` set, 20 tokens minus the prompt). Honoured: `max_new_tokens` (else `max_length`),
-`do_sample`, `temperature`, `top_k`, `top_p`, `min_p`, `eos_token_id` (None or [] after the merge: no EOS),
-`pad_token_id` (nothing is padded). Any other field that would change the tokens (beams, repetition penalty, several
-return sequences, n-gram blocking, suppressed tokens, ...) raises ValueError naming it; fields that cannot change them
-(output flags, cache and compile settings, assistant settings, beam-only settings while num_beams == 1) are ignored.
-
-From `ContinuousBatchingConfig` only `return_logprobs` and `seed` (one seed per call, from which each request gets its
-own) are used; its sizing knobs (block size, memory fraction, graphs, ...) belong to transformers' engine: size
-cb_sync with the `CBConfig` given to `enable`. `persistent_manager=False` (the default, as in transformers) releases
-the KV cache after the call; True keeps it for the next call. Unlike transformers, errors are raised, not logged.
+Of `ContinuousBatchingConfig` only `return_logprobs` and `seed` (one seed per call) are used: size cb_sync with the
+`CBConfig` given to `enable`. `persistent_manager=False` (the default) releases the KV cache after the call. Errors
+are raised, not logged.
 """
 
 from __future__ import annotations

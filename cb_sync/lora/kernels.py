@@ -8,10 +8,10 @@ computes x A_i^T for every member over K splits into fp32 partials (no atomics, 
 `expand` sums each member's partials in a fixed order, applies B_i, the scaling and the add, its column tiles
 spanning all members' outputs. Intermediates are rounded to the compute dtype (the adapter's, or autocast's)
 where PEFT's modules round them, and sums run in fp32 as cuBLAS's do; fp32 products run on bf16 tensor cores
-with each operand split into three bf16 parts (`_dot`). Grids depend only on shapes (CUDA-graph safe).
-Prefill-sized inputs (`LoraTuning.large_rows` and more) take larger row tiles and, by default, one K split. On Hopper the expand
-launch is a programmatic dependent launch: its programs start while the shrink runs, read or compute their base,
-and wait for the shrink's partials only before reading them.
+with each operand split into three bf16 parts (`_dot`). Grids depend only on shapes (CUDA-graph safe). Prefill-sized
+inputs (`LoraTuning.large_rows` and more) take larger row tiles and one K split. On Hopper the expand launch is a
+programmatic dependent launch: its programs start while the shrink runs, read or compute their base, and wait for
+the shrink's partials only before reading them.
 
 `lora_linear_group` also computes the base GEMMs x W_i^T (+ bias) for few rows: in the expand launch for wide
 groups (GEMM_BASE), or split over K by extra programs of the shrink launch whose fp32 partials the expand launch

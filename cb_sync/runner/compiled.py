@@ -19,8 +19,7 @@ COMPILE_OPTIONS = {"combo_kernels": True}   # independent elementwise kernels (t
 
 
 def model_logits(model, inputs: dict, positions, meta: AttnMetadata, keep: torch.Tensor) -> torch.Tensor:
-    """Logits of the token rows `keep`, from `input_ids` or `inputs_embeds`: the part of a step that torch.compile
-    may take."""
+    """Logits of the token rows `keep`, from `input_ids` or `inputs_embeds`: what torch.compile may take."""
     return model(**inputs, position_ids=positions, cb_meta=meta, logits_to_keep=keep, use_cache=False).logits[0]
 
 
@@ -32,9 +31,8 @@ def _compiled_model_logits():
 
 class CompiledForward:
     """`model_logits` of a model, compiled. Every count (tokens, requests, rows kept, cache blocks) is a dynamic
-    dimension with a symbol of its own, so one compile serves every decode bucket, every cache size and the steps
-    that are not pure decode; a count of one would be specialised, so callers pass at least two requests and two
-    rows kept. Steps of more than max_tokens tokens are the caller's to run eagerly."""
+    dimension of its own, so one compile serves every bucket, cache size and step; a count of one would be
+    specialised, so callers pass at least two requests and rows kept, and run steps of over max_tokens eagerly."""
 
     def __init__(self, model: torch.nn.Module, max_tokens: int):
         self.model = model

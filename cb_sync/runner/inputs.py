@@ -1,6 +1,5 @@
-"""One step's inputs: built on the host from its plan (`step_columns`) and sent to the device in one copy, as typed
-views of one byte buffer whose fields start at ALIGN-byte boundaries (`StepBuffers`). Eager steps pack buffers of
-their own size; replayed steps write the static buffers their graphs read."""
+"""One step's inputs: built on the host from its plan (`step_columns`), sent in one copy as typed views of one byte
+buffer (`StepBuffers`): buffers of the step's own size for eager steps, the static ones for replayed steps."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ _ROW_FIELDS = ("input_ids", "positions", "slots", "seq_lens", "query_start", "ke
 
 @dataclass(slots=True)
 class StepColumns:
-    """A step's inputs as host lists: per token (ids, positions, cache slots), per request (context lengths, first
-    query, block tables), and per sampling row (the token row kept, the request, the output index it samples)."""
+    """A step's inputs as host lists: per token, per request, per sampling row (the row kept, the request, the
+    output index it samples)."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -34,18 +33,15 @@ class StepColumns:
 
     def pad_requests(self, num_requests: int) -> None:
         """Add requests of one query each that read and store nothing, up to num_requests."""
-        for _ in range(num_requests - len(self.seq_lens)):
-            self.input_ids.append(0)
-            self.positions.append(0)
-            self.slots.append(-1)
-            self.seq_lens.append(0)
-            self.query_start.append(self.query_start[-1] + 1)
-            self.tables.append([])
+        pad, last = num_requests - len(self.seq_lens), self.query_start[-1]
+        for column, fill in ((self.input_ids, 0), (self.positions, 0), (self.slots, -1), (self.seq_lens, 0)):
+            column += [fill] * pad
+        self.query_start += range(last + 1, last + pad + 1)
+        self.tables += [[]] * pad
 
 
 def step_columns(plan, block_size: int) -> StepColumns:
-    """The columns of a plan (ScheduledChunks). Tokens not sampled yet (a step planned ahead of the one sampling
-    them) are 0: the step takes them on the device."""
+    """The columns of a plan; tokens not sampled yet (a step planned ahead) are 0: the step takes them on the device."""
     columns = StepColumns()
     for chunk in plan:
         request, start, stop = chunk.request, chunk.start, chunk.start + chunk.length
@@ -65,12 +61,10 @@ def step_columns(plan, block_size: int) -> StepColumns:
 
 
 class StepBuffers:
-    """Device views `views[name]` of one byte buffer and host mirrors (numpy views) to fill; `upload()` sends the
-    current mirror in one copy. Fields: input_ids, positions, slots [tokens]; seq_lens [requests]; query_start
-    [requests + 1]; tables [requests, width]; keep [rows kept]; "sampling.<column>" [sampling rows].
-
-    With two mirrors (pinned on CUDA, the copy asynchronous) they are used in turn: a mirror is filled again only two
-    uploads later, once the step that read it has been waited for."""
+    """Device views `views[name]` of one byte buffer, fields at ALIGN-byte boundaries, and host mirrors (numpy) that
+    `upload()` sends in one copy: input_ids, positions, slots [tokens]; seq_lens [requests]; query_start [requests +
+    1]; tables [requests, width]; keep [rows kept]; "sampling.<column>" [rows]. Two mirrors (pinned on CUDA) are used
+    in turn: one is filled again two uploads later, once the step that read it has been waited for."""
 
     def __init__(self, tokens: int, requests: int, width: int, kept: int, sampled: int, device: torch.device,
                  mirrors: int = 1):
@@ -121,8 +115,7 @@ class StepBuffers:
 
     def model_inputs(self, tokens: int, requests: int, kept: int, cache, backend, tuning, max_query_len: int,
                      max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor]:
-        """Token ids [1, tokens], positions [1, tokens], the attention metadata and the rows kept: views of the
-        leading rows."""
+        """Token ids and positions [1, tokens], the attention metadata and the rows kept, of the leading rows."""
         v = self.views
         meta = AttnMetadata(v["slots"][:tokens], v["tables"][:requests], v["seq_lens"][:requests],
                             v["query_start"][:requests + 1], max_query_len, max_seq_len, cache.k_caches,

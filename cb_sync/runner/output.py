@@ -8,10 +8,8 @@ import torch
 
 
 class StepOutput:
-    """A launched step. `result()` waits for it: (the requests that sampled, their new tokens, those tokens'
-    logprobs). path: "eager", "compiled" or "replay"; kind: its sampler; ahead: launched before the tokens of the
-    step it continues were read. A step whose output `keeps_tokens_on_device` can be followed by the next decode
-    step before it is read (`ModelRunner.execute(plan, after=...)`)."""
+    """A launched step; `result()` waits for it: (the requests that sampled, their tokens, their logprobs). path:
+    "eager", "compiled" or "replay"; kind: its sampler; ahead: it continues a step not read when it was launched."""
 
     keeps_tokens_on_device = False
 

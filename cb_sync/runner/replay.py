@@ -1,5 +1,5 @@
-"""Pure-decode steps replayed from captured graphs over static buffers, launched without waiting for their tokens.
-A step may be launched after another whose tokens are not read yet: it takes them on the device (`ReplayOutput`)."""
+"""Pure-decode steps replayed from captured graphs over static buffers, launched without waiting for their tokens;
+a step launched after another whose tokens are not read yet takes them on the device (`ReplayOutput`)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from .output import StepOutput
 
 
 class DecodeReplay:
-    """Static buffers at the largest bucket, the decode step a graph records (`decode_step`), capture on first use
-    of a (bucket, sampler kind), and `run`, which launches a plan's replay and returns its ReplayOutput.
-
-    forward(ids, positions, meta, keep) -> logits: the model's forward, eager or a CompiledForward."""
+    """Static buffers at the largest bucket, the step a graph records (`decode_step`), captured on first use of a
+    (bucket, sampler kind); `run` launches a plan's replay. forward: eager_forward or a CompiledForward."""
 
     def __init__(self, forward, cache, backend, tuning, buckets: list[int]):
         self.forward = forward
@@ -32,8 +30,8 @@ class DecodeReplay:
         self.warmup_seconds = 0.0       # uncaptured first runs per bucket: compile, autotune, lazy init
 
     def begin_call(self, max_blocks_per_request: int, modules: list) -> None:
-        """Before a call: widen the static buffers where a request needs more blocks, and drop the graphs if what
-        they recorded changed (weights, adapters, cache pools, buffers, autocast state, a failed compile)."""
+        """Widen the static buffers where a request needs more blocks; drop the graphs if what they recorded changed
+        (weights, adapters, cache pools, buffers, autocast state, a failed compile)."""
         if max_blocks_per_request > self.width:
             self.width = 1 << (max_blocks_per_request - 1).bit_length()
             self._allocate_buffers()
@@ -71,8 +69,7 @@ class DecodeReplay:
             self.out_tied[:bucket].copy_(tied)
 
     def run(self, plan, after: ReplayOutput | None = None) -> ReplayOutput:
-        """Launch the plan's replay; `after`: the step just launched, whose tokens this one takes on the device
-        (this plan continues it: the same requests, one position on)."""
+        """Launch the plan's replay; after: the step just launched, which the plan continues (see ModelRunner)."""
         bucket = bucket_for(len(plan), self.buckets)
         kind = sampler_kind(chunk.request.params for chunk in plan)
         if (bucket, kind) not in self.graphs:
@@ -85,8 +82,8 @@ class DecodeReplay:
         return output
 
     def warm_up(self, bucket: int | None = None, kind: SamplerKind = SamplerKind.GREEDY) -> None:
-        """Run a bucket's step (the largest: None) once, uncaptured, on rows that store nothing and read no cache:
-        compile, autotune and lazy initialisation happen here, counted as warm-up."""
+        """Run a bucket's step (None: the largest) once, uncaptured, on rows that store and read nothing: compile,
+        autotune and lazy initialisation happen here."""
         start = time.perf_counter()
         columns = StepColumns()
         columns.pad_requests(self.max_batch)
@@ -98,8 +95,8 @@ class DecodeReplay:
         self.warmup_seconds += time.perf_counter() - start
 
     def _capture_all(self, kind: SamplerKind) -> None:
-        """Warm up and capture every bucket for this sampler, largest first, into the shared pool; if a compile
-        fails on the way, capture them all again uncompiled."""
+        """Warm up and capture every bucket for this sampler, largest first (a compile that fails on the way: all
+        again, uncompiled)."""
         active = getattr(self.forward, "active", None)
         for bucket in reversed(self.buckets):
             self.warm_up(bucket, kind)
@@ -122,10 +119,9 @@ class DecodeReplay:
 
 
 class ReplayOutput(StepOutput):
-    """A replayed step whose outputs are on their way to the host. `result()` waits for them. A CANDIDATES step
-    whose top-k tie ran past the candidates (rare) is redone uncaptured over the sorted vocabulary; a step launched
-    after it took the tie's token and holds the static inputs, so it is waited for and marked stale, and launched
-    again (its inputs then known on the host) before it is read or followed."""
+    """A replayed step whose outputs are on their way to the host. A CANDIDATES step whose top-k tie ran past the
+    candidates (rare) is redone uncaptured over the sorted vocabulary; the step launched after it took the tie's
+    token, so it is marked stale and launched again before it is read or followed."""
 
     keeps_tokens_on_device = True
 

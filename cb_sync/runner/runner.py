@@ -1,41 +1,40 @@
-"""ModelRunner: runs one step's plan and returns its output (`execute`): a replayed decode graph for pure-decode
-plans, otherwise the model's forward (compiled where the decode step is) over inputs packed for the step."""
+"""ModelRunner.execute: a step's plan in, its output back: a replayed graph for pure decode, else the model's forward
+(compiled where the decode step is) over inputs packed for the step."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from ..cache import PagedKVCache
 from ..sampling import sample_exactly, sampler_kind
 from ..tuning import AttentionTuning
-from .compiled import CompiledForward, model_logits
+from .compiled import CompiledForward, eager_forward
 from .inputs import StepBuffers, step_columns
 from .output import EagerOutput, StepOutput
 from .replay import DecodeReplay
 
 
+@dataclass(eq=False)
 class ModelRunner:
-    """Executes plans (lists of ScheduledChunks) on the model with the paged cache and attention backend.
+    """Executes plans (lists of ScheduledChunks). replay: the executor of pure-decode steps (None: every step runs
+    uncaptured); compiled: the forward of the other steps (None: eager); observer: called with each step's output."""
 
-    replay: the replay executor of pure-decode steps, or None (every step then runs uncaptured). compiled: the
-    compiled forward for steps that are not pure decode, or None (they run eagerly). observer: called with every
-    step's output as it is launched."""
-
-    def __init__(self, model: torch.nn.Module, cache, backend, tuning: AttentionTuning,
-                 replay: DecodeReplay | None = None, compiled: CompiledForward | None = None, observer=None):
-        self.model = model
-        self.cache = cache
-        self.backend = backend
-        self.tuning = tuning
-        self.replay = replay
-        self.compiled = compiled
-        self.observer = observer
+    model: torch.nn.Module
+    cache: PagedKVCache
+    backend: ModuleType
+    tuning: AttentionTuning
+    replay: DecodeReplay | None = None
+    compiled: CompiledForward | None = None
+    observer: Callable[[StepOutput], None] | None = None
 
     def execute(self, plan, after: StepOutput | None = None) -> StepOutput:
-        """Launch the plan. after: the output of the step just launched, not read yet, that this plan continues (the
-        same requests one position on, planned by `Scheduler.plan_ahead`): this step takes its tokens on the
-        device. Only an output that `keeps_tokens_on_device` can be continued so."""
+        """Launch the plan. after: the step just launched, not read yet, that the plan continues (`plan_ahead`: the
+        same requests one position on); its output must keep its tokens on the device, where this step takes them."""
         started = time.perf_counter()
         if self.replay is not None and self.replay.serves(plan):
             output = self.replay.run(plan, after)
@@ -62,10 +61,7 @@ class ModelRunner:
         ids, positions, meta, keep = buffers.model_inputs(
             len(columns.input_ids), len(columns.seq_lens), len(columns.keep), self.cache, self.backend, self.tuning,
             max(chunk.length for chunk in plan), max(columns.seq_lens))
-        if compiled:
-            logits = self.compiled(ids, positions, meta, keep)
-        else:
-            logits = model_logits(self.model, {"input_ids": ids}, positions, meta, keep)
+        logits = (self.compiled if compiled else eager_forward(self.model))(ids, positions, meta, keep)
         sampled = len(columns.samplers)
         kind = sampler_kind(request.params for request in columns.samplers)
         tokens, logprobs = sample_exactly(logits[:sampled], buffers.sampling(sampled, kind)) if sampled else \

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cache import BlockAllocator, blocks_for
 from ..request import Request, Status
@@ -23,6 +23,7 @@ class ScheduledChunk:
         return self.start + self.length >= self.request.num_tokens
 
 
+@dataclass(eq=False)
 class Scheduler:
     """Admits requests in arrival order and plans each step within max_batch_tokens and the free KV blocks.
 
@@ -31,15 +32,13 @@ class Scheduler:
     are kept, and sampling is keyed by position, so the result does not change).
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int,
-                 max_batch_size: int, prefix_sharing: bool = True):
-        self.allocator = allocator
-        self.block_size = block_size
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_size = max_batch_size
-        self.prefix_sharing = prefix_sharing
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+    allocator: BlockAllocator
+    block_size: int
+    max_batch_tokens: int
+    max_batch_size: int
+    prefix_sharing: bool = True
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -99,9 +98,8 @@ class Scheduler:
 
     def update(self, plan: list[ScheduledChunk], sampled: list[Request], tokens: list[int],
                logprobs: list[float]) -> list[Request]:
-        """After a step: append the sampled tokens, advance the computed counts, free and return the requests that
-        finished. Requests that had finished before (a step planned ahead computed a row past their end) are left
-        out."""
+        """After a step: append its tokens, advance the computed counts, free and return the requests that finished
+        (those finished before, whose rows a step planned ahead computed past their end, are left out)."""
         plan = [chunk for chunk in plan if chunk.request.status is not Status.FINISHED]
         for request, token, logprob in zip(sampled, tokens, logprobs):
             if request.status is not Status.FINISHED:
