@@ -36,6 +36,7 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, max_tokens: int):
         self.model = model
+        self.eager = eager_forward(model)
         self.max_tokens = max_tokens
         self.active = True            # False once a compile failed
         self.from_embeddings = None   # decided at the first call
@@ -43,7 +44,7 @@ class CompiledForward:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                  keep: torch.Tensor) -> torch.Tensor:
         if not self.active:
-            return model_logits(self.model, {"input_ids": ids}, positions, meta, keep)
+            return self.eager(ids, positions, meta, keep)
         if self.from_embeddings is None:
             self.from_embeddings = self._same_logits_from_embeddings(ids, positions, meta, keep)
         inputs = {"inputs_embeds": self._embed(ids)} if self.from_embeddings else {"input_ids": ids}
@@ -60,7 +61,7 @@ class CompiledForward:
             warnings.warn(f"torch.compile of the decode step failed, running it uncompiled: "
                           f"{type(error).__name__}: {str(error)[:300]}", RuntimeWarning, stacklevel=2)
             self.active = False
-            return model_logits(self.model, {"input_ids": ids}, positions, meta, keep)
+            return self.eager(ids, positions, meta, keep)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding lookup, outside the compiled function: hooks on the embedding layer (TRL's trainer adds
@@ -74,7 +75,7 @@ class CompiledForward:
             from_embeddings = model_logits(self.model, {"inputs_embeds": self._embed(ids)}, positions, meta, keep)
         except (RuntimeError, ValueError):      # a forward that refuses embeddings alone
             return False
-        from_ids = model_logits(self.model, {"input_ids": ids}, positions, meta, keep)
+        from_ids = self.eager(ids, positions, meta, keep)
         return bool(((from_ids == from_embeddings) | (from_ids.isnan() & from_embeddings.isnan())).all())
 
 
