@@ -1,4 +1,4 @@
-"""Shared benchmark pieces: the Qwen3-4B-shaped model, the roofline, and the result files."""
+"""Shared benchmark pieces: the Qwen3-4B- and Qwen3-1.7B-shaped models, the roofline, and the result files."""
 
 from __future__ import annotations
 
@@ -26,12 +26,25 @@ def qwen3_4b_config(tiny: bool = False):
                        tie_word_embeddings=True, max_position_embeddings=40960)
 
 
-def build_model(lora: bool, tiny: bool = False, device: str = "cuda", dtype=torch.bfloat16):
-    """The benchmark model with random weights, built on the device; LoRA r32 on all 7 projections."""
+def qwen3_1_7b_config(tiny: bool = False):
+    from transformers import Qwen3Config
+    if tiny:
+        return qwen3_4b_config(tiny=True)
+    return Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, max_position_embeddings=40960)
+
+
+MODEL_CONFIGS = {"qwen3-4b": qwen3_4b_config, "qwen3-1.7b": qwen3_1_7b_config}
+
+
+def build_model(lora: bool, tiny: bool = False, device: str = "cuda", dtype=torch.bfloat16, shape: str = "qwen3-4b"):
+    """The benchmark model (`shape`: a key of MODEL_CONFIGS; tiny: the 2-layer one) with random weights, built on the
+    device; LoRA r32 on all 7 projections."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(qwen3_4b_config(tiny), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(MODEL_CONFIGS[shape](tiny), dtype=dtype, attn_implementation="sdpa")
     model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -1,10 +1,10 @@
-"""Workload G: GRPO steps on the Qwen3-4B shape + LoRA r32, cb_sync against TRL's own generation paths.
+"""Workloads G and G2: GRPO steps on the Qwen3-4B shape (--model qwen3-1.7b: the 1.7B one) + LoRA r32, cb_sync
+against TRL's own generation paths.
 
 Each backend trains a freshly built copy of the same model (same seed; the trainer adds LoRA r32 through
 `peft_config`, lora_B = 0 as in the reference notebook, so the KL reference is the base model and every backend
 starts from identical weights; GRPOStats fingerprints the trainable weights at train begin) on the same synthetic
-math prompts with the same GRPOConfig (the reference notebook's shape: 4 generations, batch 4, temperature 0.1,
-top_p 0.97, min_p 0.5, top_k 5), on one card, one after the other:
+math prompts with the same GRPOConfig, on one card, one after the other:
     cb_sync         CBSyncGRPOTrainer (rollouts from cb_sync on the trained modules)
     trl_generate    trl.GRPOTrainer, HF `generate` (the reference of the equivalence gate)
     trl_cb          trl.GRPOTrainer(use_transformers_continuous_batching=True), transformers' own CB
@@ -16,20 +16,42 @@ model saved to a directory. A backend that cannot run here has a row that says w
 with its error; the others still run. Results are rewritten after every backend (per-backend step files after
 every step); SIGINT (`timeout -s INT`) ends the run early and keeps what was measured.
 
-    python -m benchmarks.grpo [--tiny] [--backends cb_sync trl_generate trl_cb trl_vllm ...] [--steps 10]
-                              [--warmup 3] [--max-completion 512] [--time-limit SECONDS] [--name grpo] [--out DIR]
+    python -m benchmarks.grpo [--tiny] [--workload G|G2] [--model qwen3-4b|qwen3-1.7b]
+                              [--backends cb_sync trl_generate trl_cb trl_vllm ...] [--steps 10] [--warmup 3]
+                              [--max-completion N] [--time-limit SECONDS] [--name grpo] [--out DIR]
 
-beta defaults to 0.04 (TRL's default 0 computes and logs no KL; the gate compares KL trajectories).
+--workload G (the default), the reference notebook's shape: a step is one optimizer step on one rollout of 4
+completions (1 prompt x 4 generations, per_device_train_batch_size 4), temperature 0.1, top_p 0.97, min_p 0.5,
+top_k 5, prompts of 130 tokens (6 worked examples), completions to 512 tokens. The model has random weights, so EOS
+is silenced: the tokenizer's EOS row of the (tied) output embedding is zeroed, its logit is exactly 0 and never
+among the top 5 of 151,936 random logits, so completions run to max_completion_length (the per-step completion
+length is logged to show it).
 
-The model has random weights, so EOS is silenced: the tokenizer's EOS row of the (tied) output embedding is
-zeroed, its logit is exactly 0 and never among the top 5 of 151,936 random logits, so completions run to
-max_completion_length (the per-step completion length is logged to show it). Random weights also make the
-format/answer rewards almost always constant; a token-parity reward gives every group some variance, so the
-advantages, the loss and the gradients are not zero.
+--workload G2, GRPO as users run it: a step is one optimizer step on one rollout of 64 completions (8 prompts x
+num_generations 8: TRL's generation batch), trained in 4 micro-batches of 16 (per_device_train_batch_size 16,
+gradient_accumulation_steps = steps_per_generation = 4: TRL generates once per optimizer step; the logits of 64
+sequences of up to ~1500 tokens over 151,936 ids would not fit one backward of the 4B model). Sampling is TRL's
+default (temperature 1.0, top_p 1.0, top_k 0, min_p None: GRPOConfig's fields left unset). Prompts have 77..505
+tokens (3..28 worked examples, the count drawn per prompt from --seed). Completions go to 1024 tokens with EOS live:
+the stop tokens are the tokenizer's EOS and the top ids of the vocabulary, whose output rows are ordinary random
+rows, so that random logits at temperature 1 stop a completion with probability p = count / vocab per token; the
+count makes the capped geometric length's mean (1 - (1 - p)^1024) / p equal 400: 342 of 151,936 (median ~308,
+~10% clipped at 1024). They are the model's generation_config.eos_token_id, which TRL reads into its eos_token_ids
+(the stop list of HF generate, transformers' CB and cb_sync, and of TRL's completion masks) and vLLM from the saved
+generation_config.json (TRL + vLLM also get them as stop_token_ids). Each rollout's completion lengths are recorded
+and summarised (mean, p50, p90, max; TRL's clipped ratio). cb_sync's CBConfig: max_batch_size 64 (one rollout),
+max_batch_tokens 2048 (--cb-max-batch-tokens).
+
+Both: beta defaults to 0.04 (TRL's default 0 computes and logs no KL; the gate compares KL trajectories). Random
+weights make the format/answer rewards almost always constant; a token-parity reward gives every group some
+variance, so the advantages, the loss and the gradients are not zero. cb_sync, after training: the driver alone on
+the last rollout's requests (its prompt ids and the trainer's sampling parameters, KV cache released before each of
+2 timed calls): `driver_alone_s` (median) and `rollout_vs_driver` (median rollout time of the timed steps over it).
 
 Writes <out>/<name>.json (one summary row per backend, per-step rows inside), <name>.md, <name>_<backend>.json
 (per-step stats) and <name>.png (if matplotlib imports). --tiny: CPU, fp32, a 2-layer Qwen3 with a 512-token
-vocabulary, 3 steps of 8 tokens (the test suite's smoke run).
+vocabulary; G: 3 steps of 8 tokens (the test suite's smoke run); G2: 2 steps of 2 prompts x 4 generations in
+micro-batches of 4, completions to 16 tokens, 53 stop tokens of 512 (mean 8).
 """
 
 from __future__ import annotations
@@ -37,6 +59,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -47,36 +70,45 @@ from pathlib import Path
 import torch
 
 from benchmarks import grpo_peers
-from benchmarks.common import RESULTS, build_model, write_results
+from benchmarks.common import MODEL_CONFIGS, RESULTS, build_model, write_results
 from benchmarks.grpo_report import gate_lines, plot, report, summary_table
 from benchmarks.grpo_stats import GRPOStats, compare
-from benchmarks.grpo_workload import (GEN_BATCH, REFERENCE, REWARD_RANGE, REWARDS, lora_config, make_dataset,
-                                      make_tokenizer)
+from benchmarks.grpo_workload import (G, REFERENCE, REWARD_RANGE, REWARDS, WORKLOADS, Workload, lora_config,
+                                      make_dataset, make_tokenizer, stop_token_ids, workload)
 
 BACKENDS = ("cb_sync", "trl_generate", "trl_cb", "trl_vllm", "trl_vllm_sleep", "unsloth")
 
 # -- one backend ------------------------------------------------------------------------------------------------
 
-def build(args, tokenizer):
-    """The benchmark model (random weights, seed 0) with EOS silenced; the trainer adds LoRA r32 (lora_config())."""
+def build(args, tokenizer, stops: list[int] | None = None, shape: str = "qwen3-4b"):
+    """The benchmark model (random weights, seed 0; `shape`: a key of MODEL_CONFIGS) with EOS silenced, or, given
+    `stops`, with these stop tokens as its EOS ids; the trainer adds LoRA r32 (lora_config())."""
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
-    model = build_model(lora=False, tiny=args.tiny, device=device, dtype=dtype)
-    with torch.no_grad():   # logit of EOS == 0: never among the top 5 of the random logits
-        model.get_output_embeddings().weight[tokenizer.eos_token_id].zero_()
+    model = build_model(lora=False, tiny=args.tiny, device=device, dtype=dtype, shape=shape)
+    if stops is None:
+        with torch.no_grad():   # logit of EOS == 0: never among the top 5 of the random logits
+            model.get_output_embeddings().weight[tokenizer.eos_token_id].zero_()
     for config in (model.config, model.generation_config):   # agree with the tokenizer (else transformers warns)
-        config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        config.eos_token_id, config.bos_token_id = stops or tokenizer.eos_token_id, tokenizer.bos_token_id
         config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
-def grpo_config(args, output_dir: str, **extra):
+def grpo_config(args, output_dir: str, work: Workload = G, **extra):
     from trl import GRPOConfig
     return GRPOConfig(
-        output_dir=output_dir, num_generations=4, per_device_train_batch_size=GEN_BATCH, gradient_accumulation_steps=1,
-        temperature=0.1, top_p=0.97, min_p=0.5, top_k=5, max_completion_length=args.max_completion,
+        output_dir=output_dir, num_generations=work.num_generations, per_device_train_batch_size=work.micro_batch,
+        gradient_accumulation_steps=work.accumulation, **work.sampling, max_completion_length=args.max_completion,
         beta=args.beta, learning_rate=5e-6, logging_steps=1, report_to=[], max_steps=args.steps, seed=args.seed,
         data_seed=args.seed, save_strategy="no", bf16=not args.tiny, use_cpu=args.tiny, disable_tqdm=True,
         dataloader_num_workers=0, **extra)
+
+
+def stop_ids(args, tokenizer) -> list[int] | None:
+    """The workload's stop tokens, EOS first (stop_token_ids); None where EOS is silenced."""
+    if args.work.mean_completion is None:
+        return None
+    return stop_token_ids(len(tokenizer), tokenizer.eos_token_id, args.max_completion, args.work.mean_completion)
 
 
 def skip_reason(backend: str, args) -> str | None:
@@ -93,23 +125,25 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
     row["per_step"] = stats.rows
     start = time.perf_counter()
     torch.manual_seed(args.seed)
-    model = build(args, tokenizer)
+    stops = stop_ids(args, tokenizer)
+    model = build(args, tokenizer, stops, args.model)
     rng = torch.get_rng_state()     # the trainer's LoRA init draws from it: equal for every backend
     common = dict(model=model, reward_funcs=REWARDS, train_dataset=dataset, processing_class=tokenizer,
                   callbacks=[stats], peft_config=lora_config())
-    trainer = None
+    trainer, last, work = None, {}, args.work
     try:
         with tempfile.TemporaryDirectory() as tmp:
             if backend == "cb_sync":
                 from cb_sync import CBConfig
                 from cb_sync.integrations.trl import CBSyncGRPOTrainer
-                # one rollout = GEN_BATCH requests: decode graphs are captured for buckets 1, 2, 4 only
-                cb_config = CBConfig(max_batch_size=GEN_BATCH, max_batch_tokens=args.cb_max_batch_tokens,
+                # one rollout = work.rollout requests: decode graphs are captured for buckets up to it only
+                cb_config = CBConfig(max_batch_size=work.rollout, max_batch_tokens=args.cb_max_batch_tokens,
                                      compile=args.cb_compile, progress_bar=False)
-                trainer = CBSyncGRPOTrainer(args=grpo_config(args, tmp), cb_config=cb_config,
+                trainer = CBSyncGRPOTrainer(args=grpo_config(args, tmp, work), cb_config=cb_config,
                                             release_after_rollout=not args.cb_keep_cache, **common)
+                trainer._generate_single_turn = remembered(trainer._generate_single_turn, last)
             elif backend == "trl_generate":
-                trainer = GRPOTrainer(args=grpo_config(args, tmp), **common)
+                trainer = GRPOTrainer(args=grpo_config(args, tmp, work), **common)
             elif backend in grpo_peers.OWN_PROCESS:       # from a saved copy, as TRL + vLLM and Unsloth load it
                 common["model"] = grpo_peers.save_model(model, tokenizer, Path(tmp) / "model")
                 model = None
@@ -118,54 +152,118 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                 torch.set_rng_state(rng)
                 if backend == "unsloth":
                     from benchmarks.grpo_unsloth import unsloth_trainer
-                    trainer = unsloth_trainer(args, grpo_config(args, tmp), **common)
+                    trainer = unsloth_trainer(args, grpo_config(args, tmp, work), **common)
                 else:
                     os.environ.update(grpo_peers.distributed_env())      # before the config starts accelerate
-                    config = grpo_config(args, tmp, **grpo_peers.trl_vllm_kwargs(backend == "trl_vllm_sleep"))
+                    config = grpo_config(args, tmp, work, **grpo_peers.trl_vllm_kwargs(backend == "trl_vllm_sleep",
+                                                                                       stops))
                     trainer = GRPOTrainer(args=config, **common)
                     llm = trainer.vllm_generation.llm
                     llm.generate = stats.sampled(llm.generate)           # the card's memory with the KV pool awake
             elif backend == "trl_cb":
                 # TRL's default sizes transformers' KV cache to 50% of free device memory (of RAM on the CPU: slow)
                 cb = {"num_blocks": 16, "max_batch_tokens": 512} if args.tiny else None
-                trainer = GRPOTrainer(args=grpo_config(args, tmp, use_transformers_continuous_batching=True,
+                trainer = GRPOTrainer(args=grpo_config(args, tmp, work, use_transformers_continuous_batching=True,
                                                        transformers_continuous_batching_config=cb), **common)
             else:
                 raise ValueError(f"unknown backend {backend!r}")
             trainer.remove_callback(PrinterCallback)
-            trainer._generate = stats.timed(trainer._generate)
+            generate = trainer._generate if stops is None else stats.counted(trainer._generate)
+            trainer._generate = stats.timed(generate)
             row["build_s"] = stats.extra["build_s"] = round(time.perf_counter() - start, 2)
             trainer.train()
+            replay_facts(trainer, row, stats)      # before the driver-alone calls capture graphs of their own
+            if last:
+                runs = driver_alone(trainer, last["prompt_ids"], cuda=not args.tiny)
+                row["driver_alone_runs_s"] = stats.extra["driver_alone_runs_s"] = runs
+                row["driver_alone_s"] = stats.extra["driver_alone_s"] = round(statistics.median(runs), 3)
             if backend in grpo_peers.VLLM_BACKENDS:
                 row["weight_sync"] = stats.extra["weight_sync"] = grpo_peers.weight_sync_check(trainer, common["model"])
     finally:
         row["init_fingerprint"] = stats.extra["init_fingerprint"] = stats.init_fingerprint
         if stats.stopped_early:
             row["stopped_early"] = True
-        replay = getattr(getattr(getattr(trainer, "_cb_driver", None), "runner", None), "replay", None)
-        if replay is not None:
-            row["cb_capture_s_total"] = stats.extra["cb_capture_s_total"] = round(replay.graphs.capture_seconds, 2)
-            row["cb_compiled"] = stats.extra["cb_compiled"] = getattr(replay.forward, "active", False)
+        if "cb_capture_s_total" not in row:
+            replay_facts(trainer, row, stats)
         stats.write()
         del trainer, model
+
+
+def replay_facts(trainer, row: dict, stats: GRPOStats) -> None:
+    """cb_sync's decode-graph capture seconds so far and whether its decode step is compiled (other backends: none)."""
+    replay = getattr(getattr(getattr(trainer, "_cb_driver", None), "runner", None), "replay", None)
+    if replay is not None:
+        row["cb_capture_s_total"] = stats.extra["cb_capture_s_total"] = round(replay.graphs.capture_seconds, 2)
+        row["cb_compiled"] = stats.extra["cb_compiled"] = getattr(replay.forward, "active", False)
+
+
+def remembered(generate_single_turn, last: dict):
+    """Wrap the trainer's `_generate_single_turn` so that `last["prompt_ids"]` holds the last rollout's requests."""
+
+    def wrapper(prompt_ids, *args, **kwargs):
+        last["prompt_ids"] = [list(p) for p in prompt_ids]
+        return generate_single_turn(prompt_ids, *args, **kwargs)
+
+    return wrapper
+
+
+def driver_alone(trainer, prompt_ids: list[list[int]], cuda: bool, calls: int = 2) -> list[float]:
+    """Seconds of each of `calls` calls of the trainer's cb_sync driver alone on `prompt_ids` with the trainer's
+    sampling parameters, the KV cache released before each (as after every rollout)."""
+    driver, seconds = trainer.cb_driver, []
+    for _ in range(calls):
+        driver.release()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        driver.generate(prompt_ids, trainer._cb_params, progress_bar=False)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(round(time.perf_counter() - start, 3))
+    driver.release()
+    return seconds
 
 
 def finish(row: dict, warmup: int) -> None:
     """Add the summary of the steps that finished (none: nothing to add)."""
     if row.get("per_step"):
-        row.update(summarize(row["per_step"], warmup))
+        row.update(summarize(row["per_step"], warmup, row["batch"]))
+        if row.get("driver_alone_s"):
+            row["rollout_vs_driver"] = round(row["gen_ms"] / 1000 / row["driver_alone_s"], 3)
 
 
-def summarize(per_step: list[dict], warmup: int) -> dict:
+def completion_tokens(step: dict, rollout: int) -> float | None:
+    """Completion tokens of a step's rollout: the recorded lengths' sum, else TRL's mean length x rollout."""
+    if step.get("completion_lens") is not None:
+        return sum(step["completion_lens"])
+    return None if step.get("completion_len") is None else step["completion_len"] * rollout
+
+
+def length_summary(per_step: list[dict]) -> dict:
+    """Mean, p50, p90 and max of every recorded completion length, and the mean of TRL's per-step clipped ratio."""
+    lengths = sorted(n for r in per_step for n in r.get("completion_lens") or [])
+    if not lengths:
+        return {}
+    clipped = [r["clipped_ratio"] for r in per_step if r.get("clipped_ratio") is not None]
+    return {"len_count": len(lengths), "len_mean": round(statistics.mean(lengths), 1),
+            "len_p50": statistics.median(lengths),
+            "len_p90": lengths[min(len(lengths) - 1, math.ceil(0.9 * len(lengths)) - 1)], "len_max": lengths[-1],
+            "clipped_share": round(statistics.mean(clipped), 4) if clipped else None}
+
+
+def summarize(per_step: list[dict], warmup: int, rollout: int) -> dict:
     timed = per_step[warmup:] or per_step
     peaks = [r["peak_gib"] for r in timed if r.get("peak_gib") is not None]
     lengths = [r["completion_len"] for r in per_step if r.get("completion_len") is not None]
     cards = [r["card_gib"] for r in timed if r.get("card_gib") is not None]
     gap_means, gap_maxes, is_means, is_mins = ([r[key] for r in per_step if r.get(key) is not None] for key in (
         "logp_gap_mean", "logp_gap_max", "is_ratio_mean", "is_ratio_min"))
+    rates = [completion_tokens(r, rollout) / r["gen_s"] for r in timed
+             if completion_tokens(r, rollout) is not None and r["gen_s"] > 0]
     return {"step_ms": round(1000 * statistics.median(r["step_s"] for r in timed), 1),
             "median_includes_warmup": not per_step[warmup:],
             "gen_ms": round(1000 * statistics.median(r["gen_s"] for r in timed), 1),
+            "rollout_tok_s": round(statistics.median(rates), 1) if rates else None,
             "peak_gib": round(max(peaks), 2) if peaks else None,
             "card_gib": round(max(cards), 2) if cards else None,
             "timed_steps": len(timed),
@@ -173,24 +271,30 @@ def summarize(per_step: list[dict], warmup: int) -> dict:
             "logp_gap_mean": statistics.mean(gap_means) if gap_means else None,
             "logp_gap_max": max(gap_maxes, default=None),
             "is_ratio_mean": statistics.mean(is_means) if is_means else None,
-            "is_ratio_min": min(is_mins, default=None)}
+            "is_ratio_min": min(is_mins, default=None), **length_summary(per_step)}
 
 # -- main -------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny Qwen3, fp32")
+    parser.add_argument("--workload", default="G", choices=list(WORKLOADS), help="what a step does (see above)")
+    parser.add_argument("--model", default="qwen3-4b", choices=list(MODEL_CONFIGS), help="the model's shape")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (10; tiny 3)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (10; tiny G 3, tiny G2 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (3; tiny 1)")
-    parser.add_argument("--max-completion", type=int, default=None, help="max_completion_length (512; tiny 8)")
-    parser.add_argument("--shots", type=int, default=6, help="worked examples per prompt (6 -> 130 tokens)")
+    parser.add_argument("--max-completion", type=int, default=None,
+                        help="max_completion_length (G 512, G2 1024; tiny G 8, tiny G2 16)")
+    parser.add_argument("--shots", type=int, nargs="+", default=None, metavar="N",
+                        help="worked examples per prompt, or LO HI: a count drawn per prompt (G 6 -> 130 tokens; "
+                             "G2 3 28 -> 77..505)")
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0 so that KL is logged)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kl-atol", type=float, default=1e-3, help="gate: absolute per-step KL tolerance")
     parser.add_argument("--kl-rtol", type=float, default=1.0, help="gate: KL tolerance relative to the reference")
     parser.add_argument("--cb-compile", action="store_true", help="torch.compile cb_sync's decode step")
-    parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
+    parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
+                        help="CBConfig.max_batch_tokens (G 512, G2 2048)")
     parser.add_argument("--cb-keep-cache", action="store_true",
                         help="CBSyncGRPOTrainer(release_after_rollout=False): keep KV cache and graphs across steps")
     parser.add_argument("--logp-gap-tol", type=float, default=None,
@@ -211,12 +315,22 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.row_file is not None and len(args.backends) != 1:
         parser.error("--row-file takes one backend")
+    if args.shots is not None and len(args.shots) > 2:
+        parser.error("--shots takes N or LO HI")
     if args.logp_gap_tol is None and args.tiny:
         args.logp_gap_tol = 1e-3
-    for key, full, tiny in (("steps", 10, 3), ("warmup", 3, 1), ("max_completion", 512, 8)):
-        if getattr(args, key) is None:
-            setattr(args, key, tiny if args.tiny else full)
+    resolve(args)
     return args
+
+
+def resolve(args) -> None:
+    """args.work: the workload; the settings left unset take its values."""
+    args.work = workload(args.workload, args.tiny)
+    for key in ("steps", "warmup", "max_completion", "shots", "cb_max_batch_tokens"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(args.work, key))
+    if isinstance(args.shots, list):
+        args.shots = args.shots[0] if len(args.shots) == 1 else tuple(args.shots)
 
 
 def evaluate_gates(args, rows: list[dict]) -> None:
@@ -259,6 +373,7 @@ def merge_runs(args) -> list[dict]:
     rows: dict[str, dict] = {}
     for path in args.from_json:
         for row in json.loads(path.read_text()):
+            row.setdefault("workload", "G")
             if row["engine"] not in rows or (row.get("per_step") and not rows[row["engine"]].get("per_step")):
                 rows[row["engine"]] = row
     merged = list(rows.values())
@@ -266,7 +381,7 @@ def merge_runs(args) -> list[dict]:
     args.steps, args.warmup, args.max_completion, args.beta = (first["steps"], first["warmup"], first["new_tokens"],
                                                                first["beta"])
     args.seed = first.get("seed", args.seed)
-    differ = [k for k in ("steps", "warmup", "new_tokens", "beta", "prompt_len", "seed")
+    differ = [k for k in ("workload", "model", "steps", "warmup", "new_tokens", "beta", "prompt_len", "seed")
               if len({r.get(k) for r in merged}) > 1]
     evaluate_gates(args, merged)
     text = report(args, merged, first["prompt_len"], sources=[str(p) for p in args.from_json], differ=differ)
@@ -277,6 +392,30 @@ def merge_runs(args) -> list[dict]:
     return merged
 
 
+def settings(args, tokenizer, dataset) -> dict:
+    """The run's settings, in every row."""
+    work = args.work
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in dataset["prompt"]]
+    shape = "qwen3-tiny" if args.tiny else f"{args.model}-shape"
+    out = {"workload": work.name, "model": shape, "lora": True, "batch": work.rollout,
+           "num_generations": work.num_generations, "prompt_len": lengths[0], "new_tokens": args.max_completion,
+           "steps": args.steps, "warmup": args.warmup, "beta": args.beta, "seed": args.seed}
+    if work.name != "G":     # G's rows keep the keys they had
+        stops = stop_ids(args, tokenizer)
+        out.update(prompts=work.prompts, micro_batch=work.micro_batch, shots=args.shots,
+                   prompt_len_min=min(lengths), prompt_len_mean=round(statistics.mean(lengths), 1),
+                   prompt_len_max=max(lengths), vocab=len(tokenizer), stop_tokens=len(stops or []),
+                   target_mean_len=work.mean_completion, sampling=sampling(work))
+    return {**out, **versions()}
+
+
+def sampling(work: Workload) -> dict:
+    """temperature, top_p, top_k and min_p as the workload sets them, else as GRPOConfig's defaults have them."""
+    from trl import GRPOConfig
+    fields = GRPOConfig.__dataclass_fields__
+    return {k: work.sampling.get(k, fields[k].default) for k in ("temperature", "top_p", "top_k", "min_p")}
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -285,11 +424,9 @@ def main(argv=None) -> list[dict]:
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (or --tiny for the CPU smoke run)")
     tokenizer = make_tokenizer(512 if args.tiny else 151936)
-    dataset = make_dataset(n=64, shots=args.shots, seed=args.seed)
-    prompt_len = len(tokenizer(dataset[0]["prompt"], add_special_tokens=False)["input_ids"])
-    base = {"model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": True, "batch": GEN_BATCH,
-            "num_generations": 4, "prompt_len": prompt_len, "new_tokens": args.max_completion, "steps": args.steps,
-            "warmup": args.warmup, "beta": args.beta, "seed": args.seed, **versions()}
+    dataset = make_dataset(n=args.work.dataset_size, shots=args.shots, seed=args.seed)
+    base = settings(args, tokenizer, dataset)
+    prompt_len = base["prompt_len"]
     print(f"GRPO benchmark: {base}", flush=True)
 
     rows: list[dict] = []

@@ -31,10 +31,12 @@ SYNC_PARAM = "model.layers.0.self_attn.o_proj.weight"          # the weight comp
 KILL_GRACE_S = 120                                             # past its share, a child gets this long to finish
 
 
-def trl_vllm_kwargs(sleep: bool) -> dict:
-    """GRPOConfig arguments of the TRL + vLLM backends (TRL's defaults otherwise)."""
+def trl_vllm_kwargs(sleep: bool, stops: list[int] | None = None) -> dict:
+    """GRPOConfig arguments of the TRL + vLLM backends (TRL's defaults otherwise); `stops` (the stop tokens of a
+    workload with EOS live) also reach vLLM's SamplingParams as stop_token_ids."""
+    extra = {} if stops is None else {"generation_kwargs": {"stop_token_ids": stops}}
     return dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=sleep,
-                model_init_kwargs={"dtype": torch.bfloat16})
+                model_init_kwargs={"dtype": torch.bfloat16}, **extra)
 
 
 def distributed_env() -> dict[str, str]:
@@ -71,9 +73,11 @@ def skip_reason(backend: str, args) -> str | None:
 
 def child_command(backend: str, args, row_file: Path, time_limit: float | None) -> list[str]:
     module = "benchmarks.grpo_unsloth" if backend == "unsloth" else "benchmarks.grpo"
+    shots = [args.shots] if isinstance(args.shots, int) else args.shots
     command = [sys.executable, "-m", module, "--backends", backend, "--row-file", str(row_file),
+               "--workload", args.workload, "--model", args.model,
                "--name", args.name, "--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--max-completion", str(args.max_completion), "--shots", str(args.shots), "--beta", str(args.beta),
+               "--max-completion", str(args.max_completion), "--shots", *map(str, shots), "--beta", str(args.beta),
                "--seed", str(args.seed), "--kl-atol", str(args.kl_atol), "--kl-rtol", str(args.kl_rtol),
                "--unsloth-site", str(args.unsloth_site)]
     if time_limit is not None:

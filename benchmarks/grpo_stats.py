@@ -1,7 +1,9 @@
 """Per-step statistics of a GRPO run (a `TrainerCallback`) and the equivalence gate between backends.
 
 `GRPOStats` records, for each optimizer step: wall time (step begin -> step end, the GPU synchronised), time spent in
-rollout generation (when the trainer's `_generate` is wrapped with `stats.timed`), peak GPU memory (torch's counters,
+rollout generation (when the trainer's `_generate` is wrapped with `stats.timed`), the length of every completion
+(`completion_lens`, when it is wrapped with `stats.counted`), the main thread's CPU seconds, the Triton kernels
+compiled during the step (`triton_compiles`, by name), peak GPU memory (torch's counters,
 reset at each step begin; None when `cuda=False`), the card's memory in use (every process and pool on the device,
 sampled at the step's end, after each timed rollout and after each call wrapped with `stats.sampled`: vLLM's pool is
 not in torch's counters), and what TRL logs for the step: loss, reward, reward_std, KL, grad_norm, completion
@@ -67,6 +69,10 @@ class GRPOStats(TrainerCallback):
         self._t0 = 0.0
         self._gen_s = 0.0
         self._card = None
+        self._lens: list[int] | None = None
+        self._cpu = 0.0
+        self._compiled = 0
+        _watch_triton_compiles()
 
     # -- timing of the rollout inside a step -------------------------------------------------------------------
 
@@ -82,6 +88,17 @@ class GRPOStats(TrainerCallback):
                 self._sync()
                 self._gen_s += time.perf_counter() - start
                 self.sample_card()
+
+        return wrapper
+
+    def counted(self, fn):
+        """Wrap the trainer's `_generate` (which returns completion ids second) so that the current step's row gets
+        `completion_lens`, the length of each completion its rollouts made."""
+
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self._lens = (self._lens or []) + [len(ids) for ids in out[1]]
+            return out
 
         return wrapper
 
@@ -121,6 +138,9 @@ class GRPOStats(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
         self._gen_s = 0.0
         self._card = None
+        self._lens = None
+        self._compiled = len(TRITON_COMPILES)
+        self._cpu = time.thread_time()
         self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -129,7 +149,11 @@ class GRPOStats(TrainerCallback):
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
         end = self.sample_card()
         self.rows.append({"step": state.global_step, "step_s": step_s, "gen_s": self._gen_s, "peak_gib": peak,
-                          "card_gib": self._card, "card_end_gib": end})
+                          "card_gib": self._card, "card_end_gib": end,
+                          "main_cpu_s": round(time.thread_time() - self._cpu, 3),
+                          "triton_compiles": TRITON_COMPILES[self._compiled:]})
+        if self._lens is not None:
+            self.rows[-1]["completion_lens"] = self._lens
         if (self.deadline is not None and len(self.rows) >= self.min_steps and state.global_step < state.max_steps
                 and time.perf_counter() + step_s > self.deadline):
             control.should_training_stop = True
@@ -156,6 +180,29 @@ class GRPOStats(TrainerCallback):
         """{"backend", **extra, "steps": rows} as JSON to path (default: the path given at construction)."""
         path = path or self.path
         Path(path).write_text(json.dumps({"backend": self.backend, **self.extra, "steps": self.rows}, indent=1))
+
+
+TRITON_COMPILES: list[str] = []     # every kernel Triton's JIT compiled (or loaded from its disk cache), in order
+
+
+def _watch_triton_compiles() -> None:
+    """Record in TRITON_COMPILES each kernel specialisation Triton's JIT builds from now on (installed once): a step
+    that meets a new one pays its compile on the host."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    if not hasattr(knobs.runtime, "jit_cache_hook"):
+        return
+    previous = knobs.runtime.jit_cache_hook
+    if getattr(previous, "records_compiles", False):
+        return
+
+    def hook(*args, **kwargs):
+        TRITON_COMPILES.append(str(getattr(kwargs.get("fn"), "name", "?")))
+        return previous(*args, **kwargs) if previous is not None else None
+    hook.records_compiles = True
+    knobs.runtime.jit_cache_hook = hook
 
 
 def fingerprint(model) -> dict:

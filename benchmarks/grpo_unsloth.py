@@ -25,7 +25,8 @@ def unsloth_trainer(args, config, model: str, reward_funcs, train_dataset, proce
         raise RuntimeError(f"unsloth could not be imported: {IMPORT_ERROR!r}")
     from trl import GRPOTrainer
     from unsloth import FastLanguageModel
-    prompt_len = len(processing_class(train_dataset[0]["prompt"], add_special_tokens=False)["input_ids"])
+    prompts = processing_class(list(train_dataset["prompt"]), add_special_tokens=False)["input_ids"]
+    prompt_len = max(len(ids) for ids in prompts)
     fast, _ = FastLanguageModel.from_pretrained(
         model_name=model, max_seq_length=prompt_len + args.max_completion, dtype=torch.bfloat16, load_in_4bit=False,
         fast_inference=False, max_lora_rank=peft_config.r, fix_tokenizer=False)

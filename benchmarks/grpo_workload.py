@@ -1,13 +1,80 @@
-"""Workload G's definition: the word-level tokenizer, the synthetic few-shot math prompts, the rewards and LoRA r32."""
+"""Workloads G and G2: their shapes, the word-level tokenizer, the synthetic few-shot math prompts, the stop tokens
+of G2, the rewards and LoRA r32."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
 REFERENCE = "trl_generate"
-GEN_BATCH = 4          # completions per step: num_generations=4 x 1 prompt (per_device_train_batch_size=4)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# -- the workloads ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One optimizer step = one rollout of `prompts` x `num_generations` completions (TRL's generation batch), trained
+    in micro-batches of `micro_batch` (gradient_accumulation_steps = steps_per_generation = rollout / micro_batch).
+    `shots`: worked examples per prompt, or a (lo, hi) range drawn per prompt. `sampling`: GRPOConfig's sampling
+    fields ({}: TRL's defaults). `mean_completion`: None silences EOS; a number makes EOS live, with as many stop
+    tokens as give that mean completion length under random weights (stop_token_ids)."""
+
+    name: str
+    prompts: int
+    num_generations: int
+    micro_batch: int
+    max_completion: int
+    shots: int | tuple[int, int]
+    sampling: dict
+    mean_completion: float | None
+    cb_max_batch_tokens: int
+    dataset_size: int
+    steps: int
+    warmup: int
+
+    @property
+    def rollout(self) -> int:
+        return self.prompts * self.num_generations
+
+    @property
+    def accumulation(self) -> int:
+        return self.rollout // self.micro_batch
+
+
+G = Workload("G", prompts=1, num_generations=4, micro_batch=4, max_completion=512, shots=6,
+             sampling=dict(temperature=0.1, top_p=0.97, min_p=0.5, top_k=5), mean_completion=None,
+             cb_max_batch_tokens=512, dataset_size=64, steps=10, warmup=3)
+G2 = Workload("G2", prompts=8, num_generations=8, micro_batch=16, max_completion=1024, shots=(3, 28), sampling={},
+              mean_completion=400, cb_max_batch_tokens=2048, dataset_size=128, steps=10, warmup=3)
+WORKLOADS = {"G": (G, dataclasses.replace(G, max_completion=8, steps=3, warmup=1)),
+             "G2": (G2, dataclasses.replace(G2, prompts=2, num_generations=4, micro_batch=4, max_completion=16,
+                                            mean_completion=8, steps=2, warmup=1))}
+GEN_BATCH = G.rollout          # Workload G's completions per step: 1 prompt x 4 generations
+
+
+def workload(name: str, tiny: bool = False) -> Workload:
+    """Workload `name` ("G", "G2"): its full run, or its --tiny CPU run."""
+    return WORKLOADS[name][tiny]
+
+
+def stop_probability(max_len: int, mean: float) -> float:
+    """The per-token stop probability p whose length law, geometric capped at max_len, has this mean:
+    E[min(L, max_len)] = (1 - (1 - p)^max_len) / p (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        p = (lo + hi) / 2
+        lo, hi = (p, hi) if (1 - (1 - p) ** max_len) / p > mean else (lo, p)
+    return (lo + hi) / 2
+
+
+def stop_token_ids(vocab_size: int, eos_token_id: int, max_len: int, mean: float) -> list[int]:
+    """EOS and the top ids of the vocabulary, round(p x vocab_size) in all: with random weights their output rows are
+    ordinary random rows, so at temperature 1 a token stops with probability ~ count / vocab_size = p
+    (151,936 ids, 1024 tokens, mean 400: 342 stop tokens)."""
+    count = round(stop_probability(max_len, mean) * vocab_size)
+    return [eos_token_id] + list(range(vocab_size - count + 1, vocab_size))
+
 
 # -- tokenizer: a word-level vocabulary covering every id of the model ------------------------------------------
 
@@ -32,15 +99,16 @@ def make_tokenizer(vocab_size: int):
     return tokenizer
 
 
-# -- data: few-shot two-digit additions, 130 prompt tokens at 6 shots -----------------------------------------------
+# -- data: few-shot two-digit additions, 29 + 16..17 tokens per shot (130 at 6 shots, 77..505 at 3..28) -------
 
 def _digits(n: int) -> str:
     return " ".join(str(n))
 
 
-def make_dataset(n: int = 64, shots: int = 6, seed: int = 0):
-    """n synthetic sum prompts with `shots` worked examples each. The fingerprint is given, not hashed: hashing
-    the table pickles pyarrow types, which fails with some pyarrow / Python pairs (pyarrow 26, Python 3.12)."""
+def make_dataset(n: int = 64, shots: int | tuple[int, int] = 6, seed: int = 0):
+    """n synthetic sum prompts with `shots` worked examples each (a (lo, hi) range: a count drawn per prompt). The
+    fingerprint is given, not hashed: hashing the table pickles pyarrow types, which fails with some pyarrow /
+    Python pairs (pyarrow 26, Python 3.12)."""
     from datasets import Dataset
     from datasets.table import InMemoryTable
     rng = random.Random(seed)
@@ -48,7 +116,7 @@ def make_dataset(n: int = 64, shots: int = 6, seed: int = 0):
     prompts, answers = [], []
     for _ in range(n):
         parts = [head]
-        for _ in range(shots):
+        for _ in range(shots if isinstance(shots, int) else rng.randint(*shots)):
             a, b = rng.randint(10, 99), rng.randint(10, 99)
             parts.append(f"Q : What is {_digits(a)} + {_digits(b)} ? A : <answer> {_digits(a + b)} </answer>")
         a, b = rng.randint(10, 99), rng.randint(10, 99)
@@ -56,7 +124,11 @@ def make_dataset(n: int = 64, shots: int = 6, seed: int = 0):
         prompts.append(" ".join(parts))
         answers.append(_digits(a + b))
     table = InMemoryTable.from_pydict({"prompt": prompts, "answer": answers})
-    return Dataset(table, fingerprint=f"cb-sync-grpo-sums-{n}-{shots}-{seed}")
+    return Dataset(table, fingerprint=f"cb-sync-grpo-sums-{n}-{_tag(shots)}-{seed}")
+
+
+def _tag(shots: int | tuple[int, int]) -> str:
+    return str(shots) if isinstance(shots, int) else f"{shots[0]}to{shots[1]}"
 
 
 # -- rewards, in the style of the reference notebook (each carries its range for the gate) ------------------------

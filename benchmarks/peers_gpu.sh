@@ -21,7 +21,8 @@
 #       DIR5/grpo_peers_unsloth.json --name grpo_peers
 # Stages of one call share its budget: a stage's time limit is a cap, and one that ends early leaves the rest.
 # CALL_BUDGET (seconds, default 570) bounds the whole call: each stage's time limit is what is left of it.
-# TP_ARGS / GRPO_ARGS are appended to the benchmarks' arguments.
+# TP_ARGS / GRPO_ARGS are appended to the benchmarks' arguments (last, so they win: e.g. GRPO_ARGS="--workload G2
+# --model qwen3-1.7b --steps 5"; benchmarks.grpo hands --workload and --model on to the peers' own processes).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 \
   VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn UNSLOTH_DISABLE_STATISTICS=1

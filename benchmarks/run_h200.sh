@@ -6,6 +6,7 @@
 #   bash benchmarks/run_h200.sh loop [ARGS]                   driver-loop probe: wall ms per step vs replay
 #   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs .whl/ (benchmarks/peers_wheels.sh)
 #     and a dill wheel (carry .vllm-wheels/p6 or .unsloth-wheels too); the image's own pyarrow is used
+#   bash benchmarks/run_h200.sh grpo_hook [ARGS]              trainer rollouts against the driver alone; as grpo
 #   The peers (vLLM, TRL + vLLM, Unsloth): benchmarks/peers_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -27,13 +28,13 @@ case "$stage" in
     cp benchmarks/results/"$name".{json,md} "$OUT/" 2>/dev/null ;;
   loop)
     timeout 550 python -m benchmarks.decode_loop --out "$OUT" "$@" 2>&1 | tee "$OUT/decode_loop.log" ;;
-  grpo)
+  grpo|grpo_hook)
     rm -rf /tmp/site
     dill=$(ls .whl/dill-*.whl .vllm-wheels/p6/dill-*.whl .unsloth-wheels/dill-*.whl 2>/dev/null | head -1)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       $(ls .whl/*.whl | grep -v -e pyarrow -e dill) $dill || exit
     export PYTHONPATH=/tmp/site:$PYTHONPATH
-    timeout -s INT -k 15 550 python -m benchmarks.grpo --out "$OUT" "$@" 2>&1 | tee "$OUT/grpo.log" ;;
+    timeout -s INT -k 15 550 python -m benchmarks."$stage" --out "$OUT" "$@" 2>&1 | tee "$OUT/$stage.log" ;;
   grpo_ddp)   # Workload G on 1 GPU, then on 2 (accelerate launch; nvidia-h200-x2); the wheels of grpo
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(ls .whl/*.whl | grep -v pyarrow) || exit
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout -s INT -k 15 580 python -m benchmarks.grpo_ddp --out "$OUT" "$@" 2>&1 | tee "$OUT/grpo_ddp.log" ;;

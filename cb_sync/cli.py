@@ -1,5 +1,4 @@
-"""Command line, `cb-sync` or `python -m cb_sync`: `demo` generates with a tiny embedded model on the CPU and checks
-it against HF generate."""
+"""`cb-sync` (or `python -m cb_sync`): `demo` runs a tiny embedded model on the CPU, checked against HF generate."""
 
 from __future__ import annotations
 

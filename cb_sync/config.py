@@ -23,14 +23,12 @@ class CBConfig:
         reference syncs with the host and always runs eagerly).
     compile: torch.compile the decode step before capture (CUDA graphs only; elsewhere ignored with a warning);
         prefill and mixed steps run the same compiled function, uncaptured.
-    lora_kernels: with the Triton backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode
-        steps, compiled steps and long eager prefill steps (same parameters, PEFT's function); False keeps PEFT's
-        own forward.
+    lora_kernels: with the Triton backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode steps,
+        compiled steps and long eager prefill steps (same parameters, PEFT's function); False keeps PEFT's own forward.
     max_cache_gib: cap on KV memory when num_blocks is None.
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
     progress_bar: None = only when stderr is a terminal.
-    tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).
-    """
+    tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -66,8 +64,7 @@ class SamplingParams:
     seed: None draws a fresh one per request, from generate(seed=...) where given, else torch's global RNG [None].
     eos_token_id: int, list of ints (empty = no EOS), None = the model's generation config at call time [None].
     stop_token_ids: extra tokens that end the request with finish_reason "stop" [[]].
-    logprobs: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy) [False].
-    """
+    logprobs: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy) [False]."""
 
     max_new_tokens: int = 256
     do_sample: bool = False

@@ -31,8 +31,7 @@ class SyncCBDriver:
 
     observer: called with every step's output (`runner.StepOutput`) as it is launched. static_decode: pure-decode
     steps replay captured graphs over static buffers (None: where CUDA graphs apply; True also off CUDA, where a
-    "graph" runs its step uncaptured, as the CPU tests of that path do).
-    """
+    "graph" runs its step uncaptured, as the CPU tests of that path do)."""
 
     def __init__(self, model: torch.nn.Module, config: CBConfig | None = None, *, observer=None,
                  static_decode: bool | None = None):
@@ -92,17 +91,16 @@ class SyncCBDriver:
         prompts: lists of token ids (ints, numpy or torch integers), or a 2-D tensor or array.
         params: one SamplingParams for all prompts, or one per prompt. Bad input raises ValueError before any work.
         seed: each request without a seed of its own derives a distinct one from it: the call is reproducible and
-            the G copies of a GRPO prompt differ. None draws them from torch's global RNG.
-        """
+            the G copies of a GRPO prompt differ. None draws them from torch's global RNG."""
         base = base_model(self.model)
         requests = build_requests(prompts, params, seed, self.vocab_size, base.generation_config)
         if not requests:
             return []
         self._follow_model()
         cfg = self.config
-        check_fits(requests, base.config.get_text_config(), cfg.block_size, self._capacity_blocks())
-        num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size,
-                                                          self.cache.bytes_per_block, cfg.max_cache_gib)
+        capacity = self._capacity_blocks()
+        check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity)
+        num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
         use_lora_kernels = cfg.lora_kernels and self.backend is not sdpa_paged
         with generation_mode(self.model) as modules, lora_kernels(self.model, use_lora_kernels, modules,
@@ -111,14 +109,12 @@ class SyncCBDriver:
                 disable=not (sys.stderr.isatty() if show is None else show)) as bar:
             self.cache.ensure(num_blocks)
             if self.runner.replay is not None:
-                self.runner.replay.begin_call(max(blocks_for(r.max_tokens, cfg.block_size) for r in requests),
-                                              modules)
+                self.runner.replay.begin_call(max(blocks_for(r.max_tokens, cfg.block_size) for r in requests), modules)
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
 
     def release(self) -> None:
-        """Free the KV cache and captured graphs so their memory can serve training; the next generate()
-        allocates and captures again."""
+        """Free the KV cache and captured graphs for training; the next generate() allocates and captures again."""
         self.cache.release()
         if self.runner.replay is not None:
             self.runner.replay.graphs.release()

@@ -16,10 +16,7 @@ class Status(Enum):
 
 @dataclass(slots=True)
 class Request:
-    """One prompt's journey through the engine.
-
-    num_computed counts the leading tokens whose K/V is in the cache; the next step feeds the tokens after it.
-    """
+    """One prompt in the engine; num_computed: its leading tokens whose K/V is cached (the next step feeds the rest)."""
 
     index: int
     prompt: list[int]

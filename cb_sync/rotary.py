@@ -2,8 +2,7 @@
 
 A rotary embedding's cos/sin tables are cheap pointwise functions of the positions, so inductor inlines them into
 every consumer: each layer's query and key kernels would evaluate a sine and a cosine per element. Passed through
-an opaque op, the tables become buffers computed once per step and read by every layer.
-"""
+an opaque op, the tables become buffers computed once per step and read by every layer."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """GPU sampling: greedy, temperature, top-k, top-p, min-p (HF order and semantics), counter-based noise, logprobs.
 
-The noise for request r at output position t and token v is a hash of (r's seed, t, v): it does not depend on what
-else is in the batch, and no generator state is carried between steps.
-"""
+The noise for request r at output position t and token v is a hash of (r's seed, t, v): it does not depend on what else
+is in the batch, and no generator state is carried between steps."""
 
 from __future__ import annotations
 
@@ -51,9 +50,8 @@ class SamplerKind(Enum):
 
 
 def candidate_top_k(top_k):
-    """Whether filters with this top_k (an int, or a tensor of them) run on the top CANDIDATES tokens: a top-k of at
-    most MAX_CANDIDATE_TOP_K (the rest of the vocabulary cannot pass it unless tied with the k-th value, which
-    sample() detects)."""
+    """Whether filters with top_k (int or tensor) run on the top CANDIDATES tokens: 0 < top_k <= MAX_CANDIDATE_TOP_K
+    (the rest of the vocabulary cannot pass it unless tied with the k-th value, which sample() detects)."""
     return (top_k > 0) & (top_k <= MAX_CANDIDATE_TOP_K)
 
 
@@ -86,8 +84,7 @@ SAMPLING_COLUMNS = {"do_sample": torch.bool, "temperature": torch.float32, "top_
 
 
 def sampling_columns(requests, positions: list[int]) -> dict[str, list]:
-    """Host-side values of each SamplingBatch tensor for these requests sampling their outputs at `positions`
-    (greedy rows get temperature 1)."""
+    """Host-side SamplingBatch columns of requests sampling their outputs at `positions` (greedy: temperature 1)."""
     params = [r.params for r in requests]
     return {"do_sample": [p.do_sample for p in params],
             "temperature": [p.temperature if p.do_sample else 1.0 for p in params],
@@ -106,14 +103,12 @@ def sample_exactly(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Te
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Choose one token per row of logits [S, V]: (token ids int64 [S], their logprobs float32 [S], tied).
 
-    Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes);
-    greedy rows use temperature 1. Candidate rows (candidate_top_k) filter the top CANDIDATES tokens, the other
-    filtered rows the sorted vocabulary; a candidate row whose top-k kept every candidate (values tied with the
-    k-th may lie beyond them) takes the sorted vocabulary's draw. The CANDIDATES sampler computes candidates only and
-    `tied` (bool [S]) flags those rows, to be sampled again with the SORTED sampler (sample_exactly); `tied` is None
-    otherwise. Which path a row takes depends on its own parameters and logits only, so a request's draw does not
-    depend on the other rows. No host synchronisation.
-    """
+    Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes); greedy
+    rows use temperature 1. Candidate rows (candidate_top_k) filter the top CANDIDATES tokens, the other filtered rows
+    the sorted vocabulary; a candidate row whose top-k kept every candidate (values tied with the k-th may lie beyond
+    them) takes the sorted vocabulary's draw. The CANDIDATES sampler computes candidates only and `tied` (bool [S])
+    flags those rows, to be sampled again with the SORTED sampler (sample_exactly); `tied` is None otherwise. A row's
+    path and draw depend on its own parameters and logits only, not on the other rows. No host synchronisation."""
     greedy = batch.kind is SamplerKind.GREEDY
     scaled = logits.float() if greedy else logits.float() / batch.temperature[:, None]
     tokens, tied = scaled.argmax(dim=-1), None
@@ -155,8 +150,7 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.
 
 def _filter_and_draw(values: torch.Tensor, order: torch.Tensor,
                      batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filters and the draw over values [S, N] sorted descending (token ids `order`); also whether top-k kept
-    all N columns."""
+    """Filters and draw over values [S, N] sorted descending (token ids `order`); whether top-k kept all N columns."""
     kth = values.gather(1, (batch.top_k.clamp(min=1, max=values.shape[1]) - 1)[:, None])
     keep = (batch.top_k[:, None] == 0) | (values >= kth)
     kept_all = keep[:, -1].clone()

@@ -1,5 +1,5 @@
-"""benchmarks.grpo --tiny: the GRPO benchmark end to end on the CPU (cb_sync, TRL generate, TRL CB; 3 steps), and
-the equivalence gate of benchmarks.grpo_stats."""
+"""benchmarks.grpo --tiny: the GRPO benchmark end to end on the CPU (cb_sync, TRL generate, TRL CB; workload G in 3
+steps, G2 in 2), G2's settings and stop tokens, and the equivalence gate of benchmarks.grpo_stats."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from benchmarks import grpo  # noqa: E402
+from benchmarks import grpo, grpo_peers  # noqa: E402
 from benchmarks.__main__ import main as dispatch  # noqa: E402
 from benchmarks.grpo_stats import compare  # noqa: E402
+from benchmarks.grpo_workload import make_dataset, make_tokenizer, stop_probability, stop_token_ids  # noqa: E402
 
 RAN = ("cb_sync", "trl_generate", "trl_cb")
 
@@ -59,6 +60,8 @@ def test_tiny_suite_trains_every_backend(tiny_run):
             assert s["completion_len"] == 8                           # EOS silenced: completions run to length
             assert s["reward_std"] > 0 and s["kl"] >= 0
         assert row["step_ms"] > 0 and row["timed_steps"] == 2         # 1 warm-up step left out
+        assert row["rollout_tok_s"] > 0 and "completion_lens" not in steps[0]
+    assert rows["cb_sync"]["driver_alone_s"] > 0 and rows["cb_sync"]["rollout_vs_driver"] > 0
 
 
 @pytest.mark.slow
@@ -101,3 +104,61 @@ def test_dispatch(capsys):
     with pytest.raises(SystemExit) as info:
         dispatch(["grpo", "--help"])
     assert info.value.code == 0 and "--max-completion" in capsys.readouterr().out
+
+
+def test_tiny_g2_eos_live(tmp_path):
+    rows = {r["engine"]: r for r in grpo.main(["--tiny", "--workload", "G2", "--backends", *RAN,
+                                               "--out", str(tmp_path)])}
+    for backend in RAN:
+        row = rows[backend]
+        assert "error" not in row, row.get("error")
+        assert row["workload"] == "G2" and row["batch"] == 8 and row["stop_tokens"] == 53
+        assert 64 <= row["prompt_len_min"] < row["prompt_len_max"] <= 512
+        steps = row["per_step"]
+        assert [s["step"] for s in steps] == [1, 2]
+        lengths = [n for s in steps for n in s["completion_lens"]]
+        assert all(len(s["completion_lens"]) == 8 for s in steps)
+        assert all(1 <= n <= 16 for n in lengths) and len(set(lengths)) > 1 and min(lengths) < 16   # EOS live
+        assert row["len_count"] == 16 and row["len_max"] == max(lengths) and row["rollout_tok_s"] > 0
+        assert row["len_p50"] <= row["len_p90"] <= row["len_max"]
+    cb = rows["cb_sync"]
+    assert cb["gate"]["pass"] is True, cb["gate"]
+    assert cb["driver_alone_s"] > 0 and len(cb["driver_alone_runs_s"]) == 2 and cb["rollout_vs_driver"] > 0
+    assert "driver_alone_s" not in rows["trl_generate"]
+    table = (tmp_path / "grpo.md").read_text()
+    for text in ("# Workload G2", "2 prompts x 4 generations", "2 micro-batches of 4", "53 stop tokens",
+                 "GRPOConfig's defaults, left unset (temperature 1.0, top_p 1.0, top_k 0, min_p None)",
+                 "## Completion lengths", "driver alone ms", f"{1000 * cb['driver_alone_s']:.1f} ("):
+        assert text in table, text
+
+
+def test_g2_settings_reach_trl_and_the_peers(tmp_path):
+    args = grpo.parse_args(["--tiny", "--workload", "G2", "--model", "qwen3-1.7b", "--out", str(tmp_path)])
+    config = grpo.grpo_config(args, str(tmp_path), args.work)
+    assert config.generation_batch_size == 8 and config.steps_per_generation == config.gradient_accumulation_steps == 2
+    assert (config.temperature, config.top_p, config.top_k, config.min_p) == (1.0, 1.0, 0, None)
+    assert config.max_completion_length == 16 and args.shots == (3, 28) and args.cb_max_batch_tokens == 2048
+    full = grpo.parse_args(["--workload", "G2"]).work
+    assert (full.rollout, full.micro_batch, full.accumulation, full.max_completion) == (64, 16, 4, 1024)
+    command = grpo_peers.child_command("trl_vllm", args, tmp_path / "r.json", None)
+    child = grpo.parse_args(command[3:])
+    assert (child.workload, child.model, child.shots, child.max_completion) == ("G2", "qwen3-1.7b", (3, 28), 16)
+    stops = [1, 500, 511]
+    assert grpo_peers.trl_vllm_kwargs(False, stops)["generation_kwargs"] == {"stop_token_ids": stops}
+    assert "generation_kwargs" not in grpo_peers.trl_vllm_kwargs(False)
+    g = grpo.parse_args(["--tiny"])
+    assert (g.workload, g.shots, g.max_completion, g.cb_max_batch_tokens, g.steps) == ("G", 6, 8, 512, 3)
+
+
+def test_stop_tokens_give_the_target_mean():
+    p = stop_probability(1024, 400)
+    assert (1 - (1 - p) ** 1024) / p == pytest.approx(400, rel=1e-6)
+    stops = stop_token_ids(151936, 1, 1024, 400)
+    assert len(stops) == len(set(stops)) == 342 and stops[0] == 1 and max(stops) == 151935
+    assert len(stop_token_ids(512, 1, 16, 8)) == 53
+    tokenizer = make_tokenizer(512)
+    prompts = list(make_dataset(n=128, shots=(3, 28), seed=0)["prompt"])
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    assert 64 <= min(lengths) and max(lengths) <= 512 and max(lengths) - min(lengths) > 300
+    g_prompt = make_dataset(n=1, shots=6, seed=0)[0]["prompt"]            # workload G's prompts as they were
+    assert len(tokenizer(g_prompt, add_special_tokens=False)["input_ids"]) == 130

@@ -164,6 +164,24 @@ def test_autocast_products_run_in_the_autocast_dtype(spy):
     assert (diff > 0).float().mean() < 0.05
 
 
+@pytest.mark.parametrize("autocast_dtype, fused", [(torch.float16, True), (torch.bfloat16, False)])
+def test_autocast_to_the_weights_dtype_keeps_the_base_in_the_kernel(autocast_dtype, fused, spy):
+    """accelerate's mixed-precision forward of a 16-bit model with fp32 adapters (TRL's trainer): autocast to the
+    weights' dtype computes the same base GEMM, so the kernel still computes it; autocast to another dtype leaves it
+    to torch. (fp16 weights: the CPU interpreter rounds to fp16 but truncates to bf16.)"""
+    model, layer = lora_stack(96, 40, 8, dtype=torch.float16)
+    x = torch.randn(3, 96, device=DEVICE, dtype=torch.float16)
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    with torch.autocast(device_type, dtype=autocast_dtype):
+        expected, got = peft_and_kernel(model, layer, x)
+        with torch.no_grad():
+            base = layer.base_layer(x).float().abs()
+    assert len(spy) == 1 and (spy.modes[0] != kernels.READ_BASE) == fused and got.dtype == expected.dtype
+    if fused:       # at most one fp16 rounding step of the output (the other case: the test above)
+        assert ((got.float() - expected.float()).abs() <= torch.maximum(expected.float().abs(), base) * 2 ** -10
+                + 1e-3).all()
+
+
 def _dora():
     torch.manual_seed(0)
     model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(32, 16)),

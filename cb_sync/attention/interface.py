@@ -18,18 +18,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None,
                             cb_meta: AttnMetadata | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Store this step's K/V in the layer's paged cache, then attend over each request's cached context.
-
-    query/key/value arrive as [1, heads, T, head_dim]; returns [1, T, heads, head_dim] as transformers expects.
-    """
+    """Store this step's K/V in the layer's paged cache, then attend over each request's cached context. query/key/value
+    arrive as [1, heads, T, head_dim]; returns [1, T, heads, head_dim] as transformers expects."""
     if cb_meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the cb_meta batch metadata; "
                            "it runs only inside SyncCBDriver.generate()")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{type(module).__name__} uses attention sinks (s_aux), which cb_sync's paged "
                                   "attention does not implement")
-    layer = module.layer_idx
-    k_cache, v_cache = cb_meta.k_caches[layer], cb_meta.v_caches[layer]
+    k_cache, v_cache = cb_meta.k_caches[module.layer_idx], cb_meta.v_caches[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = cb_meta.backend.store_and_attend(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                            k_cache, v_cache, cb_meta, scale, sliding_window, softcap)

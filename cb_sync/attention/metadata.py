@@ -23,8 +23,7 @@ class AttnMetadata:
         none, so a compiled step does not guard on them).
     k_caches, v_caches: per layer, [num_blocks, block_size, num_kv_heads, head_dim].
     backend: module providing store_and_attend() (see attention/sdpa_paged.py).
-    tuning: the Triton kernels' tile sizes.
-    """
+    tuning: the Triton kernels' tile sizes."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor

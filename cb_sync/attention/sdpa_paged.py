@@ -16,26 +16,19 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D].
-
-    A query at position p sees keys at positions k <= p (and k > p - sliding_window when a window is set).
-    Rows of padded requests (seq_len 0) come back as zeros.
-    """
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over each request's cached context, [T, Hq, D]: a query at position p sees
+    keys k <= p (and k > p - sliding_window with a window); padded requests' rows (seq_len 0) come back as zeros."""
     num_tokens, num_heads, head_dim = query.shape
-    num_reqs = seq_lens.numel()
+    num_reqs, device = seq_lens.numel(), query.device
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    device = query.device
     if num_tokens == 0 or max_seq_len == 0:
         return torch.zeros_like(query)
-
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), q_lens, output_size=num_tokens)
     token_row = torch.arange(num_tokens, device=device) - query_start_loc[token_req].long()
-
     q_pad = query.new_zeros(num_reqs, max_query_len, num_heads, head_dim)
     q_pad[token_req, token_row] = query
     num_ctx_blocks = -(-max_seq_len // block_size)
@@ -45,7 +38,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = num_heads // num_kv_heads
     keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)      # [R, Hq, K, D]
     values = values.repeat_interleave(group, dim=2).transpose(1, 2)
-
     scores = torch.matmul(q_pad.transpose(1, 2), keys.transpose(-1, -2)).float() * scale   # [R, Hq, Q, K]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap

@@ -1,13 +1,11 @@
-"""Triton paged attention: KV-cache store, split-K decode in one launch (the step's K/V stored, partitions attended
-and combined by the last one to finish) and varlen prefill over a paged KV cache.
+"""Triton paged attention: KV-cache store, split-K decode in one launch (the step's K/V stored, partitions attended and
+combined by the last one to finish) and varlen prefill over a paged KV cache.
 
-Same contract as `sdpa_paged`, without its host-side bounds, for batches where every request brings at least one
-query (the decode kernels serve batches of one query per request, told apart by shape). The query heads that
-share a KV head are packed into the rows of one program (row = query * BLOCK_G + head in group), so each K/V
-tile is loaded once per KV head. Every launch grid depends only on tensor shapes, never on values, so a decode
-step can be captured in a CUDA graph and replayed with new seq_lens / block_tables. No function here
-synchronises with the host.
-"""
+Same contract as `sdpa_paged`, without its host-side bounds, for batches where every request brings at least one query
+(the decode kernels serve batches of one query per request, told apart by shape). The query heads that share a KV head
+are packed into the rows of one program (row = query * BLOCK_G + head in group), so each K/V tile is loaded once per KV
+head. Every launch grid depends only on tensor shapes, never on values, so a decode step can be captured in a CUDA graph
+and replayed with new seq_lens / block_tables. No function here synchronises with the host."""
 
 import functools
 
@@ -34,11 +32,9 @@ def _store_kv_row(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, tok, head, slot,
 @triton.jit
 def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-                     stride_cb, stride_cs, stride_ch, stride_cd,
-                     block_size, head_dim, BLOCK_D: tl.constexpr):
+                     stride_cb, stride_cs, stride_ch, stride_cd, block_size, head_dim, BLOCK_D: tl.constexpr):
     """One program per (token, kv head): copy its key and value rows into the cache slot."""
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
+    tok, head = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_ptr + tok)
     if slot >= 0:
         _store_kv_row(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, tok, head, slot, tl.arange(0, BLOCK_D),
@@ -48,14 +44,11 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, kv_end, q_pos, row_valid,
-                 scale, softcap, window, block_size, head_dim,
-                 stride_cb, stride_cs, stride_ch, stride_cd,
+                 scale, softcap, window, block_size, head_dim, stride_cb, stride_cs, stride_ch, stride_cd,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Online-softmax update of (acc, m_i, l_i) with keys [start, start + BLOCK_N) of one request.
-
-    Keys at or past kv_end are never read (nor their block-table entries). m_i is in log2 units.
-    """
+    """Online-softmax update of (acc, m_i in log2 units, l_i) with keys [start, start + BLOCK_N) of one request;
+    keys at or past kv_end are never read (nor their block-table entries)."""
     k_pos = start + tl.arange(0, BLOCK_N)
     kv_valid = k_pos < kv_end
     block = tl.load(table_ptr + k_pos // block_size, mask=kv_valid, other=0).to(tl.int64)
@@ -106,18 +99,13 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
                    PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, STORE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (partition, request, kv head): attention of the request's one query, all heads of the group, over
-    keys [partition * PARTITION, +PARTITION). With STORE, the partition that holds the query's position first writes
-    the step's key and value into the cache (slots < 0 are skipped). With one partition the program writes the
-    output; with several it writes unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the
-    request's last partition to arrive combines them all in partition order and writes the output.
-
-    Partitions at or past seq_len neither store nor arrive: the request's first cdiv(seq_len, PARTITION) do
-    (a padded row, seq_len 0, gets zeros from its first partition).
-    """
-    part = tl.program_id(0)
-    req = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    """Program (partition, request, kv head): attention of the request's one query, all heads of the group, over keys
+    [partition * PARTITION, +PARTITION). With STORE, the partition that holds the query's position first writes the
+    step's key and value into the cache (slots < 0 are skipped). With one partition the program writes the output; with
+    several it writes unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the request's last
+    partition to arrive combines them, in partition order, into the output. Partitions at or past seq_len neither store
+    nor arrive (a padded row, seq_len 0, gets zeros from its first partition)."""
+    part, req, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     q_tok = tl.load(query_start_loc_ptr + req)
     part_start = part * PARTITION
@@ -140,10 +128,8 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
                               stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                               stride_cb, stride_cs, stride_ch, stride_cd, block_size, head_dim)
             tl.debug_barrier()          # the program's own tile loads below read them
-
     q = tl.load(q_ptr + q_tok * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask, other=0.0)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
-
     lo = part_start
     if HAS_WINDOW:
         lo = tl.maximum(lo, (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N)
@@ -151,7 +137,6 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
                                   tl.minimum(part_start + PARTITION, seq_len), seq_len, q_pos, row_valid, scale,
                                   softcap, window, block_size, head_dim, stride_cb, stride_cs, stride_ch, stride_cd,
                                   BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
-
     if BLOCK_P == 1:
         tl.store(out_ptr + out_offs, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
                  mask=q_mask)
@@ -199,15 +184,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     num_reqs, scale, softcap, window, group, block_size, head_dim,
                     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (query tile, kv head): BLOCK_M // BLOCK_G queries of one request x the heads of the group, over
-    the request's cached context up to the tile's last query (earlier prefill chunks included).
-
-    Request r owns the tiles from query_start_loc[r] // BLOCK_Q + r on, one per BLOCK_Q of its queries (the
-    last one partial), so the grid depends only on the token and request counts; a tile past its request's
-    queries exits at once."""
+    """Program (query tile, kv head): BLOCK_M // BLOCK_G queries of one request x the heads of the group, over the
+    request's cached context up to the tile's last query (earlier prefill chunks included). Request r owns the tiles
+    from query_start_loc[r] // BLOCK_Q + r on, one per BLOCK_Q of its queries (the last one partial), so the grid
+    depends only on the token and request counts; a tile past its request's queries exits at once."""
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
     lo = tile * 0             # binary search: the last request whose first tile is at or before this one
     hi = lo + num_reqs
     while hi - lo > 1:
@@ -222,7 +204,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     q0 = (tile - q_start // BLOCK_Q - req) * BLOCK_Q
     if q0 >= q_len:
         return
-
     rows = tl.arange(0, BLOCK_M)
     qi = q0 + rows // BLOCK_G
     g = rows % BLOCK_G
@@ -235,16 +216,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                 mask=q_mask, other=0.0)
     ctx_start = seq_len - q_len   # position of the request's first query
     q_pos = ctx_start + qi
-
     lo = 0
     if HAS_WINDOW:
         lo = (tl.maximum(ctx_start + q0 - window + 1, 0) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(seq_len, ctx_start + q0 + BLOCK_Q)
-    acc, m_i, l_i = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head, lo, hi,
-                                  hi, q_pos, row_valid, scale, softcap, window, block_size, head_dim,
-                                  stride_cb, stride_cs, stride_ch, stride_cd,
-                                  BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
-
+    acc, m_i, l_i = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head, lo, hi, hi,
+                                  q_pos, row_valid, scale, softcap, window, block_size, head_dim, stride_cb, stride_cs,
+                                  stride_ch, stride_cd, BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # seq_len 0 -> zeros
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -269,15 +247,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     tuning: AttentionTuning = AttentionTuning()) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
     new_kv: (key, value [T, Hkv, D], slot_mapping [T]) stored into the caches first, as `store_kv` does; when every
-    request brings one query, by the decode kernel itself: then each slot must be its request's own position
-    seq_len - 1 (a block no other request of the batch reads), and padded rows (seq_len 0) store nothing.
-
-    Precondition: every request brings at least one query (a padded row: one query, seq_len 0); it is not
-    checked (that would synchronise). One query per request (T == R) takes the split-K decode path, otherwise the
-    varlen prefill path runs. Both launch grids depend only on shapes, never on values: a decode step can be
-    captured in a CUDA graph, and a compiled step that runs this op has no host-side bound to guard on. Rows of
-    padded requests (seq_len 0) come back as zeros.
-    """
+    request brings one query (T == R: the split-K decode path, else the varlen prefill path), by the decode kernel
+    itself: then each slot must be its request's own position seq_len - 1 (a block no other request of the batch reads),
+    and padded rows store nothing. Precondition, not checked (that would synchronise): every request brings at least one
+    query (a padded row: one query, seq_len 0, whose rows come back as zeros)."""
     num_tokens, num_heads, head_dim = query.shape
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
@@ -285,11 +258,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    common = dict(scale=scale, softcap=float(softcap or 0.0), window=int(sliding_window or 0),
-                  group=group, block_size=k_cache.shape[1], head_dim=head_dim,
-                  BLOCK_G=triton.next_power_of_2(group), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                  HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window),
-                  PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    common = dict(scale=scale, softcap=float(softcap or 0.0), window=int(sliding_window or 0), group=group,
+                  block_size=k_cache.shape[1], head_dim=head_dim, BLOCK_G=triton.next_power_of_2(group),
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_SOFTCAP=bool(softcap),
+                  HAS_WINDOW=bool(sliding_window), PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     args = (query, k_cache, v_cache)
     if num_tokens == num_reqs:
         _decode(out, *args, block_tables, seq_lens, query_start_loc, new_kv, tuning, common)
@@ -335,8 +307,7 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, new_kv, tuning, common):
-    """Split-K decode in one launch: attention per (partition, request, kv head), the last partition of a request
-    to finish combining them (the step's K/V stored first, by the partition that holds its position)."""
+    """Launch `_decode_kernel` over (partition, request, kv head), with its partials' buffers and arrival counters."""
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_heads, head_dim = query.shape[1:]
     max_context = block_tables.shape[1] * k_cache.shape[1]

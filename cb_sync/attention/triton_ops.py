@@ -1,10 +1,6 @@
-"""The Triton kernels as an opaque `torch.library` custom op, so `torch.compile` calls them without tracing in.
-
-`torch.ops.cb_sync.store_and_attend` writes a step's keys and values into k_cache / v_cache in place and returns
-the attention output as a new contiguous tensor. The fake implementation gives its shape and dtype for tracing and
-never launches anything. The op takes no host-side int derived from the batch, so a compiled step runs prefill
-and decode batches of any size without a guard to fail.
-"""
+"""The Triton kernels as an opaque `torch.library` custom op, `torch.ops.cb_sync.store_and_attend`, so `torch.compile`
+calls them without tracing in. The op takes no host-side int derived from the batch, so a compiled step runs prefill
+and decode batches of any size without a guard to fail."""
 
 from typing import Optional
 
@@ -21,10 +17,9 @@ def store_and_attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                         tuning: Optional[list[int]] = None) -> torch.Tensor:
-    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T] (slots < 0 are skipped), then causal paged
-    attention of query [T, Hq, D]; see `triton_kernels.paged_attention` (in a decode batch, one query per request,
-    each slot must be its request's own position seq_len - 1, and padded rows store nothing). tuning: an
-    AttentionTuning's ints (None: the defaults)."""
+    """Write key/value [T, Hkv, D] into the caches in place at slot_mapping [T] (slots < 0 are skipped), then return
+    the causal paged attention of query [T, Hq, D] as a new contiguous tensor: `triton_kernels.paged_attention` with
+    new_kv (whose slot condition for decode batches applies). tuning: an AttentionTuning's ints (None: the defaults)."""
     return triton_kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                           sliding_window, softcap, new_kv=(key, value, slot_mapping),
                                           tuning=AttentionTuning(*tuning or ()))
@@ -39,8 +34,6 @@ def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
 def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttnMetadata, scale: float, sliding_window: Optional[int] = None,
                      softcap: Optional[float] = None) -> torch.Tensor:
-    """The backend entry point: store the step's K/V, then paged attention over meta's batch (its host-side bounds
-    are not read)."""
-    return store_and_attend_op(query, key, value, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                               meta.seq_lens, meta.query_start_loc, scale, sliding_window, softcap,
-                               meta.tuning.ints())
+    """The backend entry point: store the step's K/V, then paged attention over meta's batch (host bounds unread)."""
+    return store_and_attend_op(query, key, value, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc, scale, sliding_window, softcap, meta.tuning.ints())

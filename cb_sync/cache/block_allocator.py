@@ -7,11 +7,8 @@ from collections.abc import Hashable
 
 
 class BlockAllocator:
-    """Hands out block ids; a block returns to the free list when its last reference is dropped.
-
-    A full block whose K/V has been computed can be registered under a key naming the token prefix it ends,
-    so a later request with the same prefix shares it instead of recomputing it.
-    """
+    """Hands out block ids, each back on the free list once its last reference is dropped. A computed full block
+    registered under a key naming the token prefix it ends is shared by later requests with that prefix."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks

@@ -23,22 +23,17 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def ensure(self, num_blocks: int) -> bool:
-        """Make the pools hold exactly `num_blocks` blocks unless they already hold at least that many.
-
-        Returns True when the pools were (re)allocated, which moves their storage.
-        """
+    def ensure(self, num_blocks: int) -> None:
+        """Grow the pools to exactly `num_blocks` blocks (moving their storage) unless they hold at least that many."""
         if self.num_blocks >= num_blocks:
-            return False
+            return
         self.release()
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
-        return True
 
     def release(self) -> None:
         """Drop the pools so their memory can serve training."""
@@ -49,13 +44,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def blocks_to_allocate(request_tokens: list[int], block_size: int, bytes_per_block: int,
-                       max_cache_gib: float) -> int:
-    """Blocks covering every request's whole sequence at once, capped by max_cache_gib.
-
-    The cap never goes below the largest single request (the caller has validated that one fits).
-    """
-    needed = sum(blocks_for(n, block_size) for n in request_tokens)
-    cap = int(max_cache_gib * 2**30) // bytes_per_block
-    largest = max(blocks_for(n, block_size) for n in request_tokens)
-    return max(min(needed, cap), largest)
+def blocks_to_allocate(request_tokens: list[int], block_size: int, capacity: int) -> int:
+    """Blocks covering every request's whole sequence at once, at most `capacity` (what max_cache_gib holds) but never
+    fewer than the largest single request needs (the caller has validated that one fits)."""
+    blocks = [blocks_for(n, block_size) for n in request_tokens]
+    return max(min(sum(blocks), capacity), max(blocks))

@@ -31,8 +31,7 @@ def is_pure_decode(plan) -> bool:
 
 
 def model_fingerprint(modules: list[torch.nn.Module]) -> tuple:
-    """Everything a captured graph bakes in about a model (its modules, `patching.module_list`): parameter storages
-    and dtypes, adapter state."""
+    """What a captured graph bakes in about a model's modules: parameter storages and dtypes, adapter state."""
     params = tuple((p.data_ptr(), p.dtype) for m in modules for p in m._parameters.values() if p is not None)
     # PEFT's tuner layers, told by a class attribute (no __getattr__ miss)
     tuners = [(i, m) for i, m in enumerate(modules) if hasattr(type(m), "merged_adapters")]
@@ -56,8 +55,7 @@ class DecodeGraphs:
         return key in self.graphs
 
     def keep_if(self, fingerprint) -> None:
-        """Keep the graphs only if they were captured under this fingerprint (what they recorded: weights, adapters,
-        buffers, autocast state)."""
+        """Keep the graphs only if they were captured under this fingerprint (of what they recorded)."""
         if fingerprint != self.fingerprint:
             self.release()
         self.fingerprint = fingerprint

@@ -12,17 +12,20 @@ tokens (beams, repetition penalty, several return sequences, ...) raise ValueErr
 
 Of `ContinuousBatchingConfig` only `return_logprobs` and `seed` (one seed per call) are used: size cb_sync with the
 `CBConfig` given to `enable`. `persistent_manager=False` (the default) releases the KV cache after the call. Errors
-are raised, not logged.
-"""
+are raised, not logged."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 import types
 
 import torch
+from transformers import GenerationConfig
+# transformers' own output type, so consumers of generate_batch work unchanged
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..config import CBConfig, SamplingParams
 from ..driver import SyncCBDriver
@@ -38,16 +41,15 @@ _METHOD = "generate_batch"
 _MAPPED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "eos_token_id",
            "pad_token_id"}
 # Fields that cannot change the generated tokens of a single-sequence decoder-only generation.
-_HARMLESS = {
-    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
-    "compile_config", "disable_compile", "continuous_batching_config", "prefill_chunk_size", "low_memory",
-    "return_dict_in_generate", "output_attentions", "output_hidden_states", "output_scores", "output_logits",
-    "remove_invalid_values", "renormalize_logits", "transformers_version", "_from_model_config", "_commit_hash",
-    "_original_object_hash", "is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
-    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size",
-    # beam-search-only settings: inert while num_beams == 1 (num_beams > 1 is refused)
-    "early_stopping", "length_penalty", "num_beam_groups", "diversity_penalty",
-}
+_HARMLESS = {"bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
+             "max_cache_len", "compile_config", "disable_compile", "continuous_batching_config", "prefill_chunk_size",
+             "low_memory", "return_dict_in_generate", "output_attentions", "output_hidden_states", "output_scores",
+             "output_logits", "remove_invalid_values", "renormalize_logits", "transformers_version",
+             "_from_model_config", "_commit_hash", "_original_object_hash", "is_assistant", "num_assistant_tokens",
+             "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
+             "target_lookbehind", "max_matching_ngram_size",
+             # beam-search-only settings: inert while num_beams == 1 (num_beams > 1 is refused)
+             "early_stopping", "length_penalty", "num_beam_groups", "diversity_penalty"}
 # Values of the remaining fields that leave the tokens unchanged (None is always neutral).
 _NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
             "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
@@ -57,9 +59,7 @@ _NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # ContinuousBatchingConfig fields used here; the others only size or tune transformers' own engine.
 _CB_USED = {"return_logprobs", "seed"}
-
-# transformers' own output type, so consumers of generate_batch work unchanged
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus  # noqa: E402
+_noted: set[str] = set()    # the sets of ignored ContinuousBatchingConfig fields logged so far
 
 
 class _State:
@@ -79,9 +79,7 @@ class _State:
 
     def __deepcopy__(self, memo):
         # A copied model generates with its own modules: keep the config, drop driver and model references.
-        fresh = _State.__new__(_State)
-        fresh.model, fresh.config, fresh.driver, fresh.targets, fresh.previous = None, self.config, None, [], {}
-        return fresh
+        return _State(None, self.config, [])
 
     def __getstate__(self):
         return self.__deepcopy__({}).__dict__
@@ -93,8 +91,7 @@ def enable(model: torch.nn.Module, config: CBConfig | None = None) -> torch.nn.M
     On a PEFT model the method is installed both on the PeftModel and on its base model (what TRL reaches through
     `unwrap_model`), sharing one driver that runs the PeftModel. A plain model that is later wrapped by PEFT keeps
     working: the wrapper forwards `generate_batch` to the base model, whose modules carry the LoRA layers.
-    Calling enable() again replaces the config (and the driver). Returns the model.
-    """
+    Calling enable() again replaces the config (and the driver). Returns the model."""
     config = config if config is not None else CBConfig()
     if not isinstance(config, CBConfig):
         raise ValueError(f"config must be a CBConfig, got {type(config).__name__}")
@@ -146,8 +143,7 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
 
     Extra keyword arguments: GenerationConfig field names (override `generation_config`), `return_logprobs`
     (bool) and `seed` (int: one seed for the call, each request derives its own). Anything else raises ValueError.
-    `warmup` is accepted and ignored (graphs are captured on first use). Returns {"req_i": GenerationOutput}.
-    """
+    `warmup` is accepted and ignored (graphs are captured on first use). Returns {"req_i": GenerationOutput}."""
     if not inputs:
         return {}
     if record_timestamps:
@@ -174,8 +170,7 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
     outputs = {}
     for result in results:
         out = GenerationOutput(request_id=f"req_{result.request_id}", prompt_ids=list(result.prompt_ids),
-                               generated_tokens=list(result.token_ids),
-                               logprobs=list(result.logprobs) if result.logprobs is not None else [],
+                               generated_tokens=list(result.token_ids), logprobs=list(result.logprobs or []),
                                error=None, status=RequestStatus.FINISHED, created_time=start, lifespan=(start, end))
         out.finish_reason = result.finish_reason  # cb_sync extra: "eos" | "length" | "stop"
         outputs[out.request_id] = out
@@ -185,14 +180,9 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
 def sampling_params_from_generation_config(model, generation_config=None, prompts: list[list[int]] | None = None,
                                            logprobs: bool = False, seed: int | None = None,
                                            **overrides) -> list[SamplingParams]:
-    """One SamplingParams per prompt from a GenerationConfig resolved as `model.generate()` resolves it.
-
-    `overrides` are GenerationConfig fields set on top of `generation_config`. `seed` (one per call) derives a
-    distinct seed per request; None leaves each request its own fresh seed. Raises ValueError for any field that
-    would change the result and that cb_sync cannot honour.
-    """
-    from transformers import GenerationConfig
-
+    """One SamplingParams per prompt from a GenerationConfig resolved as `model.generate()` resolves it, `overrides`
+    (GenerationConfig fields) set on top; ValueError for any field that would change the result and that cb_sync
+    cannot honour. `seed` (one per call) derives a distinct seed per request; None leaves each its own fresh seed."""
     prompts = prompts if prompts is not None else [[]]
     cfg = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     if not isinstance(cfg, GenerationConfig):
@@ -209,27 +199,21 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
         for name, value in model_cfg.to_dict().items():
             if name in fields and values.get(name) is None:  # custom entries of a checkpoint's config are inert
                 values[name] = value
-    for name, value in _DEFAULTS.items():
-        if values.get(name) is None:
-            values[name] = value
-
+    values.update({name: value for name, value in _DEFAULTS.items() if values.get(name) is None})
     bad = sorted(f"{k}={v!r}" for k, v in values.items()
                  if k not in _MAPPED and k not in _HARMLESS and not _is_neutral(k, v))
     if bad:
         raise ValueError(f"cb_sync cannot honour these generation options: {', '.join(bad)}. Remove them (or set "
                          "them to their neutral values) from the GenerationConfig and model.generation_config.")
-
     eos = values.get("eos_token_id")  # None or []: no EOS (as generate(); model.generation_config was merged)
     eos = [] if eos is None else eos   # SamplingParams validates and normalises ints and lists
     sampling = {}
-    if values["do_sample"]:
-        top_k, top_p, min_p = values["top_k"], values["top_p"], values.get("min_p")
-        sampling = dict(do_sample=True, temperature=float(values["temperature"]), top_k=int(top_k or 0),
-                        top_p=float(1.0 if top_p is None else top_p), min_p=float(min_p or 0.0))
+    if values["do_sample"]:     # temperature, top_k and top_p are never None: _DEFAULTS filled them
+        sampling = dict(do_sample=True, temperature=float(values["temperature"]), top_k=int(values["top_k"]),
+                        top_p=float(values["top_p"]), min_p=float(values.get("min_p") or 0.0))
     seeds = [None] * len(prompts)
     if seed is not None:
-        gen = torch.Generator().manual_seed(int(seed))
-        seeds = torch.randint(0, 2**62, (len(prompts),), generator=gen).tolist()
+        seeds = torch.randint(0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(int(seed))).tolist()
     params = []
     for index, (prompt, request_seed) in enumerate(zip(prompts, seeds)):
         max_new = values.get("max_new_tokens")
@@ -244,25 +228,16 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
 
 
 def _is_neutral(name: str, value) -> bool:
-    if value is None or (isinstance(value, (list, tuple, dict)) and len(value) == 0):
-        return True
-    if name in _NEUTRAL:
-        return value == _NEUTRAL[name]
-    return False
-
-
-_noted: set[str] = set()
+    empty = value is None or (isinstance(value, (list, tuple, dict)) and len(value) == 0)
+    return empty or (name in _NEUTRAL and value == _NEUTRAL[name])
 
 
 def _note_ignored_cb_fields(cb_config) -> None:
-    """Log once per set of fields the ContinuousBatchingConfig settings that differ from its defaults and are
-    ignored here."""
-    from dataclasses import fields, is_dataclass
-
-    if not is_dataclass(cb_config):
+    """Log the ContinuousBatchingConfig fields set off their defaults, which are ignored here (once per set)."""
+    if not dataclasses.is_dataclass(cb_config):
         return
     default = type(cb_config)()
-    ignored = [f.name for f in fields(cb_config) if f.name not in _CB_USED
+    ignored = [f.name for f in dataclasses.fields(cb_config) if f.name not in _CB_USED
                and getattr(cb_config, f.name) != getattr(default, f.name)]
     if ignored and ",".join(ignored) not in _noted:
         _noted.add(",".join(ignored))

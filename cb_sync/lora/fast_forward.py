@@ -118,12 +118,14 @@ def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning):
 
 def _base_fusable(layers: list, x: torch.Tensor) -> bool:
     """Whether the kernel may compute the base layers too (it does where it is faster: `kernels.lora_linear_group`):
-    plain nn.Linear layers (a subclass may compute something else) with plain weights of x's dtype and device,
-    biases on all layers or none, no hooks, no autocast."""
-    weights = [layer.weight for layer in layers]
+    plain nn.Linear layers (a subclass may compute something else) with plain weights and biases of x's dtype and
+    device, biases on all layers or none, no hooks, and no autocast to another dtype (autocast to x's dtype, as
+    accelerate's mixed-precision forward of a bf16 model, computes the same base GEMM)."""
+    device = x.device.type
+    tensors = [t for layer in layers for t in (layer.weight, layer.bias) if t is not None]
     return (all(type(layer) is torch.nn.Linear and type(layer.weight) is torch.nn.Parameter for layer in layers)
-            and not torch.is_autocast_enabled(x.device.type)
-            and all(w.dtype == x.dtype and w.device == x.device for w in weights)
+            and (not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == x.dtype)
+            and all(t.dtype == x.dtype and t.device == x.device for t in tensors)
             and len({layer.bias is None for layer in layers}) == 1 and not any(_hooked(layer) for layer in layers))
 
 

@@ -1,22 +1,19 @@
-"""Triton LoRA: out_i = base_i + scaling_i * B_i(A_i(x)) for up to three projections that read one
-input x (q/k/v, gate/up), with PEFT's dtypes and roundings.
+"""Triton LoRA: out_i = base_i + scaling_i * B_i(A_i(x)) for up to three projections that read one input x (q/k/v,
+gate/up), with PEFT's dtypes and roundings.
 
-PEFT computes `result + lora_B(lora_A(x.to(A.dtype))) * scaling` and casts back to the result's dtype; with
-fp32 adapters on a bf16 model (PEFT's default upcast) cuBLAS runs that as small fp32 SIMT GEMMs plus split-K
-reductions: ~10 us a projection at decode sizes. Here a group of projections takes two launches: `shrink`
-computes x A_i^T for every member over K splits into fp32 partials (no atomics, so runs are bit-reproducible),
-`expand` sums each member's partials in a fixed order, applies B_i, the scaling and the add, its column tiles
-spanning all members' outputs. Intermediates are rounded to the compute dtype (the adapter's, or autocast's)
-where PEFT's modules round them, and sums run in fp32 as cuBLAS's do; fp32 products run on bf16 tensor cores
-with each operand split into three bf16 parts (`_dot`). Grids depend only on shapes (CUDA-graph safe). Prefill-sized
-inputs (`LoraTuning.large_rows` and more) take larger row tiles and one K split. On Hopper the expand launch is a
-programmatic dependent launch: its programs start while the shrink runs, read or compute their base, and wait for
-the shrink's partials only before reading them.
+PEFT computes `result + lora_B(lora_A(x.to(A.dtype))) * scaling` and casts back to the result's dtype; with fp32
+adapters on a bf16 model (PEFT's default upcast) cuBLAS runs that as small fp32 SIMT GEMMs plus split-K reductions:
+~10 us a projection at decode sizes. Here a group of projections takes two launches: `shrink` computes x A_i^T for every
+member over K splits into fp32 partials (no atomics, so runs are bit-reproducible), `expand` sums each member's partials
+in a fixed order, applies B_i, the scaling and the add, its column tiles spanning all members' outputs. Intermediates
+are rounded to the compute dtype (the adapter's, or autocast's) where PEFT's modules round them, and sums run in fp32 as
+cuBLAS's do; fp32 products run on bf16 tensor cores with each operand split into three bf16 parts (`_dot`). Grids depend
+only on shapes (CUDA-graph safe). On Hopper the expand launch is a programmatic dependent launch: its programs start
+while the shrink runs, read or compute their base, and wait for the shrink's partials only before reading them.
 
-`lora_linear_group` also computes the base GEMMs x W_i^T (+ bias) for few rows: in the expand launch for wide
-groups (GEMM_BASE), or split over K by extra programs of the shrink launch whose fp32 partials the expand launch
-sums in a fixed order (SUMMED_BASE), so narrow layers still fill the GPU.
-"""
+`lora_linear_group` also computes the base GEMMs x W_i^T (+ bias) for few rows: in the expand launch for wide groups
+(GEMM_BASE), or split over K by extra programs of the shrink launch whose fp32 partials the expand launch sums in a
+fixed order (SUMMED_BASE), so narrow layers still fill the GPU."""
 
 import functools
 import os
@@ -31,13 +28,6 @@ from ..tuning import LoraTuning
 MAX_MEMBERS = 3       # projections per launch
 READ_BASE, GEMM_BASE, SUMMED_BASE = 0, 1, 2   # where the expand launch takes the base from
 MAX_OFFSET = torch.iinfo(torch.int32).max   # elements of one operand within reach of the kernels' int32 offsets
-
-
-def _fused_tiles(rows: int) -> tuple[int, int, int]:
-    """(rows, columns, input features) of an expand program that also computes the base GEMM."""
-    return min(64, max(16, triton.next_power_of_2(rows))), 32 if rows <= 16 else 64, 128 if rows <= 32 else 64
-
-
 _NATIVE_DOTS = os.environ.get("TRITON_INTERPRET") != "1"
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -53,8 +43,7 @@ def _bf16_parts(v):
 
 @triton.jit
 def _mma(a, b, acc, NATIVE: tl.constexpr):
-    """acc + a @ b of 16-bit tiles, fp32 sums. NATIVE False (the CPU interpreter, whose bf16 dot is wrong):
-    the same exact products, upcast first."""
+    """acc + a @ b of 16-bit tiles, fp32 sums; NATIVE False (the CPU interpreter's bf16 dot is wrong): upcast first."""
     if NATIVE:
         acc = tl.dot(a, b, acc)
     else:
@@ -94,8 +83,7 @@ def _x_wt(acc, x_ptr, w_ptr, rows, cols, M, N, K, k_start, k_stop, stride_xm, st
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                     mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
-                    other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
         if CAST:
             x, w = x.to(COMPUTE), w.to(COMPUTE)
         acc = _dot(x, w, acc, X_IS_BF16, NATIVE)
@@ -129,8 +117,7 @@ def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_p
                        BASE_SPLIT_K: tl.constexpr, BASE_BLOCK_M: tl.constexpr, BASE_BLOCK_N: tl.constexpr):
     """base_partial[split, :, cols] = x[:, split] @ W[cols, split]^T for column tile `tile` of all members' outputs
     side by side; every row in one tile."""
-    tiles0 = tl.cdiv(n0, BASE_BLOCK_N)
-    tiles1 = tl.cdiv(n1, BASE_BLOCK_N)
+    tiles0, tiles1 = tl.cdiv(n0, BASE_BLOCK_N), tl.cdiv(n1, BASE_BLOCK_N)
     if tile < tiles0:
         w_ptr, N, first = w0_ptr, n0, 0
     elif tile < tiles0 + tiles1:
@@ -150,8 +137,7 @@ def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_p
 def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk,
                    row_tiles, num_splits, members, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr,
                    COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
-                   SPLIT_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    BASE_SPLIT_K: tl.constexpr, BASE_BLOCK_M: tl.constexpr, BASE_BLOCK_N: tl.constexpr):
     """The first row_tiles x num_splits x members programs: one LoRA shrink tile each. Any further programs: one
     (column tile, K split) of the split-K base GEMMs each. With PDL the expand launch may start at once."""
@@ -174,31 +160,24 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K,
 def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, base2_ptr, out0_ptr, out1_ptr,
                    out2_ptr, n0, n1, n2, r0, r1, r2, s0, s1, s2, M, num_splits,
                    x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, K, stride_xm, base_partial_ptr,
-                   base_splits,
-                   COMPUTE: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr, BASE: tl.constexpr,
-                   HAS_BIAS: tl.constexpr,
-                   X_IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   base_splits, COMPUTE: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr, BASE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, X_IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     """Program (column tile over all members, row tile): out = base + round(round(xa @ B^T) * scaling). BASE
     READ_BASE: base read from memory; GEMM_BASE: computed here as x @ W^T; SUMMED_BASE: the shrink launch's split-K
     partials of x @ W^T summed in split order. Computed bases add the bias and round to the output dtype. With PDL
     the shrink launch's results are read only after its completion is awaited (`gdc_wait`)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    tiles0 = tl.cdiv(n0, BLOCK_N)
-    tiles1 = tl.cdiv(n1, BLOCK_N)
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    tiles0, tiles1 = tl.cdiv(n0, BLOCK_N), tl.cdiv(n1, BLOCK_N)
     if pid_n < tiles0:
-        member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (0, pid_n, b0_ptr, base0_ptr, out0_ptr, w0_ptr,
-                                                                   bias0_ptr)
-        N, R, scaling, first = n0, r0, s0, 0
+        member, tile, N, R, scaling, first = 0, pid_n, n0, r0, s0, 0
+        b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = b0_ptr, base0_ptr, out0_ptr, w0_ptr, bias0_ptr
     elif pid_n < tiles0 + tiles1:
-        member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (1, pid_n - tiles0, b1_ptr, base1_ptr, out1_ptr,
-                                                                   w1_ptr, bias1_ptr)
-        N, R, scaling, first = n1, r1, s1, n0
+        member, tile, N, R, scaling, first = 1, pid_n - tiles0, n1, r1, s1, n0
+        b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = b1_ptr, base1_ptr, out1_ptr, w1_ptr, bias1_ptr
     else:
-        member, tile, b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = (2, pid_n - tiles0 - tiles1, b2_ptr, base2_ptr,
-                                                                   out2_ptr, w2_ptr, bias2_ptr)
-        N, R, scaling, first = n2, r2, s2, n0 + n1
+        member, tile, N, R, scaling, first = 2, pid_n - tiles0 - tiles1, n2, r2, s2, n0 + n1
+        b_ptr, base_ptr, out_ptr, w_ptr, bias_ptr = b2_ptr, base2_ptr, out2_ptr, w2_ptr, bias2_ptr
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
@@ -227,8 +206,7 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
     for split in range(num_splits):
         xa += tl.load(partial_ptr + ((member * num_splits + split) * M + rows[:, None]) * BLOCK_R + ranks[None, :],
                       mask=row_ok[:, None], other=0.0)
-    b = tl.load(b_ptr + cols[None, :] * R + ranks[:, None], mask=(cols[None, :] < N) & (ranks[:, None] < R),
-                other=0.0)
+    b = tl.load(b_ptr + cols[None, :] * R + ranks[:, None], mask=(cols[None, :] < N) & (ranks[:, None] < R), other=0.0)
     delta = _dot(xa.to(COMPUTE), b.to(COMPUTE), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), False, NATIVE)
     delta = delta.to(COMPUTE).to(tl.float32)                       # lora_B's output
     delta = (delta * scaling).to(COMPUTE).to(tl.float32)           # * scaling
@@ -275,10 +253,14 @@ def _shrink_tiles(m: int, k: int, block_k: int, tuning: LoraTuning) -> tuple[int
     return tuning.block_m, tuning.shrink_split_k if m < tuning.mid_rows else tuning.mid_split_k
 
 
+def _fused_tiles(rows: int) -> tuple[int, int, int]:
+    """(rows, columns, input features) of an expand program that also computes the base GEMM."""
+    return min(64, max(16, triton.next_power_of_2(rows))), 32 if rows <= 16 else 64, 128 if rows <= 32 else 64
+
+
 def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
                 base_mode, tuning):
-    """Shrink, then expand into outs; base_mode: READ_BASE (from bases), GEMM_BASE or SUMMED_BASE (from weights
-    and biases, computed in the expand launch or split over K in the shrink launch)."""
+    """Shrink, then expand into outs, the base taken from bases (READ_BASE) or computed from weights and biases."""
     m, k = x.shape
     if m == 0:
         return outs
@@ -307,13 +289,9 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         x, *_padded(lora_as, lora_as[0]), *_padded(ranks, 0), partial, m, k, *x.stride(), row_tiles, num_splits,
         len(outs), *_padded(weights, weights[0]), *_padded(widths, 0), base_partial,
         COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, PDL=pdl, SPLIT_K=split_k,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BASE_SPLIT_K=base_split_k,
-        BASE_BLOCK_M=max(16, triton.next_power_of_2(m)) if base_splits else 16, BASE_BLOCK_N=base_block_n,
-        num_warps=4)
-    if base_mode == GEMM_BASE:
-        block_m, block_n, block_k = _fused_tiles(m)
-    else:
-        block_n, block_k = tuning.expand_block_n, 16
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BASE_SPLIT_K=base_split_k, BASE_BLOCK_N=base_block_n,
+        BASE_BLOCK_M=max(16, triton.next_power_of_2(m)) if base_splits else 16, num_warps=4)
+    block_m, block_n, block_k = _fused_tiles(m) if base_mode == GEMM_BASE else (block_m, tuning.expand_block_n, 16)
     column_tiles = sum(triton.cdiv(n, block_n) for n in widths)
     has_bias = biases is not None
     bases, biases = bases or outs, biases or outs                    # unread when absent
@@ -327,10 +305,9 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     return outs
 
 
-def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor],
-                   lora_bs: list[torch.Tensor], scalings: list[float], compute_dtype: torch.dtype | None = None,
-                   split_k: int | None = None, block_k: int | None = None,
-                   tuning: LoraTuning = LoraTuning()) -> list[torch.Tensor]:
+def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor],
+                   scalings: list[float], compute_dtype: torch.dtype | None = None, split_k: int | None = None,
+                   block_k: int | None = None, tuning: LoraTuning = LoraTuning()) -> list[torch.Tensor]:
     """For each member i: bases[i] [M, N_i] + scalings[i] * (x [M, K] @ lora_as[i] [R_i, K]^T) @ lora_bs[i]
     [N_i, R_i]^T as a new tensor of bases[i]'s dtype, with PEFT's roundings: x, A and B in compute_dtype (default:
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
@@ -348,19 +325,17 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
                       lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scalings: list[float],
                       compute_dtype: torch.dtype | None = None,
                       tuning: LoraTuning = LoraTuning()) -> list[torch.Tensor]:
-    """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded
-    to the weights' dtype (x's), as nn.Linear gives them. Up to the tuning's fused_base_max_rows rows and
-    fused_base_max_k input features (gemm_base_max_k for groups of gemm_base_min_columns outputs) the kernel computes
-    them (two launches for the whole group, base GEMMs included); beyond, or for weights past the kernels' int32
-    offsets, torch does."""
+    """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded to
+    the weights' dtype (x's), as nn.Linear gives them. Up to the tuning's fused_base_max_rows rows and fused_base_max_k
+    input features (gemm_base_max_k for groups of gemm_base_min_columns outputs) the kernel computes them, in the
+    group's two launches; beyond, or for weights past the kernels' int32 offsets, torch does."""
     _check_group(x, [weights, lora_as, lora_bs, scalings], None, tuning.shrink_block_k, lora_as + weights,
                  [w.shape[0] for w in weights])
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
     mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= tuning.gemm_base_min_columns else SUMMED_BASE
     max_k = tuning.gemm_base_max_k if mode == GEMM_BASE else tuning.fused_base_max_k
-    if (x.shape[0] > tuning.fused_base_max_rows or x.shape[1] > max_k
-            or any(w.numel() > MAX_OFFSET for w in weights)):
+    if x.shape[0] > tuning.fused_base_max_rows or x.shape[1] > max_k or any(w.numel() > MAX_OFFSET for w in weights):
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
         # the new base tensors (checked by the test above) are this call's own: the kernel adds into them in place
         return _lora_group(x, bases, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, None,

@@ -7,11 +7,9 @@ from cb_sync.tuning import LoraTuning
 
 
 @torch.library.custom_op("cb_sync::lora_add_group", mutates_args=())
-def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor],
-                   lora_bs: list[torch.Tensor], scalings: list[float], compute_dtype: torch.dtype,
-                   tuning: list[int]) -> list[torch.Tensor]:
-    """bases[i] + scalings[i] * B_i(A_i(x)) with PEFT's roundings; see `kernels.lora_add_group` (tuning: a
-    LoraTuning's ints)."""
+def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor],
+                   scalings: list[float], compute_dtype: torch.dtype, tuning: list[int]) -> list[torch.Tensor]:
+    """bases[i] + scalings[i] * B_i(A_i(x)); see `kernels.lora_add_group` (tuning: a LoraTuning's ints)."""
     return kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings, compute_dtype, tuning=LoraTuning(*tuning))
 
 
@@ -25,8 +23,7 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
                       lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scalings: list[float],
                       compute_dtype: torch.dtype, tuning: list[int]) -> list[torch.Tensor]:
     """x @ weights[i]^T (+ biases[i]) + scalings[i] * B_i(A_i(x)); see `kernels.lora_linear_group`."""
-    return kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, scalings, compute_dtype,
-                                     LoraTuning(*tuning))
+    return kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, scalings, compute_dtype, LoraTuning(*tuning))
 
 
 @lora_linear_group.register_fake

@@ -49,11 +49,9 @@ class CompiledForward:
             self.from_embeddings = self._same_logits_from_embeddings(ids, positions, meta, keep)
         inputs = {"inputs_embeds": self._embed(ids)} if self.from_embeddings else {"input_ids": ids}
         counted = (*inputs.values(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                   meta.query_start_loc, keep)
-        for t, dim in zip(counted, (1, 1, 0, 0, 0, 0, 0)):
-            torch._dynamo.mark_dynamic(t, dim)
-        for cache in (*meta.k_caches, *meta.v_caches):
-            torch._dynamo.mark_dynamic(cache, 0)
+                   meta.query_start_loc, keep, *meta.k_caches, *meta.v_caches)
+        for i, t in enumerate(counted):     # the token rows [1, T, ...] count on dimension 1, the others on 0
+            torch._dynamo.mark_dynamic(t, 1 if i < 2 else 0)
         try:    # a decode step's counts are equal (tokens = requests = rows kept): duck shaping would make them one
             with shape_config.patch(use_duck_shape=False):
                 return _compiled_model_logits()(self.model, inputs, positions, meta, keep)

@@ -18,8 +18,7 @@ _ROW_FIELDS = ("input_ids", "positions", "slots", "seq_lens", "query_start", "ke
 
 @dataclass(slots=True)
 class StepColumns:
-    """A step's inputs as host lists: per token, per request, per sampling row (the row kept, the request, the
-    output index it samples)."""
+    """A step's inputs as host lists: per token, per request, per sampling row (row kept, request, output index)."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ import torch
 
 from ..graphs import DecodeGraphs, bucket_for, is_pure_decode, model_fingerprint
 from ..sampling import SamplerKind, sample, sampler_kind
-from .inputs import StepBuffers, StepColumns, step_columns
+from .inputs import StepBuffers, step_columns
 from .output import StepOutput
 
 
@@ -44,9 +44,6 @@ class DecodeReplay:
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
         self.buffers = StepBuffers(n, n, self.width, n, n, device, mirrors=2)
-        for host in self.buffers.hosts:             # decode rows: one query and one row kept each
-            host["query_start"][:] = range(n + 1)
-            host["keep"][:] = range(n)
         self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(n, device=device)
         self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
@@ -85,18 +82,14 @@ class DecodeReplay:
         """Run a bucket's step (None: the largest) once, uncaptured, on rows that store and read nothing: compile,
         autotune and lazy initialisation happen here."""
         start = time.perf_counter()
-        columns = StepColumns()
-        columns.pad_requests(self.max_batch)
-        self.buffers.write(columns)
-        self.buffers.upload()
+        self.write_inputs([], self.max_batch)
         self.decode_step(bucket or self.max_batch, kind)
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize()
         self.warmup_seconds += time.perf_counter() - start
 
     def _capture_all(self, kind: SamplerKind) -> None:
-        """Warm up and capture every bucket for this sampler, largest first (a compile that fails on the way: all
-        again, uncompiled)."""
+        """Warm up and capture every bucket for this sampler, largest first; all again uncompiled if a compile fails."""
         active = getattr(self.forward, "active", None)
         for bucket in reversed(self.buckets):
             self.warm_up(bucket, kind)

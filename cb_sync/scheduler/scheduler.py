@@ -25,12 +25,10 @@ class ScheduledChunk:
 
 @dataclass(eq=False)
 class Scheduler:
-    """Admits requests in arrival order and plans each step within max_batch_tokens and the free KV blocks.
-
-    Running requests are served oldest first. When blocks run out, the newest running request is preempted:
-    its blocks are freed and it returns to the head of the queue to be recomputed later (its sampled tokens
-    are kept, and sampling is keyed by position, so the result does not change).
-    """
+    """Admits requests in arrival order and plans each step within max_batch_tokens and the free KV blocks. Running
+    requests are served oldest first. When blocks run out, the newest running request is preempted: its blocks are freed
+    and it returns to the head of the queue to be recomputed later (its sampled tokens are kept, and sampling is keyed
+    by position, so the result does not change)."""
 
     allocator: BlockAllocator
     block_size: int
@@ -82,11 +80,10 @@ class Scheduler:
         return plan
 
     def plan_ahead(self, plan: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
-        """The pure-decode step after `plan` (a pure-decode step whose tokens are not read yet), planned before they
-        are known: the same requests, one position on, with their blocks reserved. None where the next schedule()
-        could differ by more than requests ending on a stop or EOS token: a request of the plan already finished (its
-        row was computed past its end), one that reaches max_new_tokens, a waiting request that could be admitted, or
-        a block that is not free (no preemption here)."""
+        """The pure-decode step after `plan`, a pure-decode step whose tokens are not read yet: the same requests, one
+        position on, with their blocks reserved. None where the next schedule() could differ by more than requests
+        ending on a stop or EOS token: a request of the plan already finished (computed past its end), one that reaches
+        max_new_tokens, a waiting request that could be admitted, or a block not free (no preemption here)."""
         if self.waiting and len(self.running) < self.max_batch_size:
             return None
         if any(c.request.status is Status.FINISHED or len(c.request.output) + 2 > c.request.params.max_new_tokens
@@ -117,8 +114,6 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    # -- blocks ---------------------------------------------------------------------------------------------
-
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         missing = blocks_for(num_tokens, self.block_size) - len(request.blocks)
         if missing > self.allocator.num_free:
@@ -138,8 +133,6 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    # -- prefix sharing -------------------------------------------------------------------------------------
 
     def _shareable_blocks(self, request: Request) -> list[tuple[int, ...]]:
         """Token contents of the full prompt blocks that may be shared (the last prompt token stays private)."""
@@ -174,7 +167,7 @@ class Scheduler:
 
     def _register_full_blocks(self, request: Request, computed_before: int) -> None:
         shareable = self._shareable_blocks(request) if computed_before < len(request.prompt) else []
-        for b in range(computed_before // self.block_size, min(request.num_computed // self.block_size,
-                                                               len(shareable))):
+        full = min(request.num_computed // self.block_size, len(shareable))
+        for b in range(computed_before // self.block_size, full):
             parent = request.blocks[b - 1] if b else -1
             self.allocator.register(request.blocks[b], (parent, shareable[b]))
