@@ -258,8 +258,8 @@ def summarize(per_step: list[dict], warmup: int, rollout: int) -> dict:
     cards = [r["card_gib"] for r in timed if r.get("card_gib") is not None]
     gap_means, gap_maxes, is_means, is_mins = ([r[key] for r in per_step if r.get(key) is not None] for key in (
         "logp_gap_mean", "logp_gap_max", "is_ratio_mean", "is_ratio_min"))
-    rates = [completion_tokens(r, rollout) / r["gen_s"] for r in timed
-             if completion_tokens(r, rollout) is not None and r["gen_s"] > 0]
+    tokens = [(completion_tokens(r, rollout), r["gen_s"]) for r in timed]
+    rates = [n / seconds for n, seconds in tokens if n is not None and seconds > 0]
     return {"step_ms": round(1000 * statistics.median(r["step_s"] for r in timed), 1),
             "median_includes_warmup": not per_step[warmup:],
             "gen_ms": round(1000 * statistics.median(r["gen_s"] for r in timed), 1),

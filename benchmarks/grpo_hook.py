@@ -30,19 +30,20 @@ from benchmarks.throughput import _gc_pauses
 
 
 class PathCounter:
-    """An observer of the driver: steps by (path, kind), replays redone after a tie."""
+    """An observer of the driver: steps by (path, kind), and replays redone after a tie (known once read, so counted
+    when taken)."""
 
     def __init__(self):
-        self.counts = collections.Counter()
+        self.outputs = []
 
     def __call__(self, output):
-        self.counts[f"{output.path}/{output.kind.name}"] += 1
-        if getattr(output, "redone", False):
-            self.counts["redone"] += 1
+        self.outputs.append(output)
 
     def take(self) -> dict:
-        counts, self.counts = dict(self.counts), collections.Counter()
-        return counts
+        outputs, self.outputs = self.outputs, []
+        counts = collections.Counter(f"{output.path}/{output.kind.name}" for output in outputs)
+        counts["redone"] = sum(getattr(output, "redone", False) for output in outputs)
+        return {key: n for key, n in counts.items() if n}
 
 
 class StepClock(TrainerCallback):
@@ -108,13 +109,14 @@ class CardSampler:
 
     def __init__(self, period: float = 0.25):
         import threading
-        self.samples, self.period, self.stop = [], period, threading.Event()
+        self.samples, self.period = [], period
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.cpu = (sum(os.times()[:2]), time.thread_time())
         self.thread.start()
 
     def _run(self):
-        while not self.stop.wait(self.period):
+        while True:
+            time.sleep(self.period)
             state = gpu_state()
             if not state:
                 return
@@ -224,8 +226,8 @@ def main(argv=None):
         facts = {"instance_forward": "forward" in unwrapped.__dict__, "lora_dtype": str(lora.dtype),
                  "training": unwrapped.training, "gradient_checkpointing": trainer.args.gradient_checkpointing,
                  "mixed_precision": trainer.accelerator.mixed_precision, "gc_objects": len(gc.get_objects()),
-                 "step_s": clock.steps, "optimizer_s": clock.optimizer_s, "card": clock.per_step, "phases": {k: dict(v) for k, v in phases.rows.items()},
-                 "collections": clock.collections}
+                 "step_s": clock.steps, "optimizer_s": clock.optimizer_s, "card": clock.per_step,
+                 "phases": {k: dict(v) for k, v in phases.rows.items()}, "collections": clock.collections}
         print(facts, flush=True)
 
         def alone(label: str, on):
@@ -259,7 +261,8 @@ def main(argv=None):
     gc.callbacks.remove(clock._collection)
     result = {"facts": facts, "rows": rows}
     (args.out / "grpo_hook.json").write_text(json.dumps(result, indent=1))
-    print("\n| what | step | s | GC s | capture s | warm-up s | dynamo frames | paths |\n|---|---|---|---|---|---|---|---|")
+    print("\n| what | step | s | GC s | capture s | warm-up s | dynamo frames | paths |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['what']} | {r.get('step', '')} | {r['s']:.3f} | {r['gc_s']:.3f} | {r['capture_s']:.3f} | "
               f"{r['warmup_s']:.3f} | {r['dynamo_frames']} | {r['paths']} |")
