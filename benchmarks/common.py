@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -63,6 +64,15 @@ def build_model(lora: bool, tiny: bool = False, device: str = "cuda", dtype=torc
 def floor_seconds_per_step(batch: int, context: int, lora: bool) -> float:
     """Bandwidth floor of one decode step: weights (+ adapter) + the batch's KV read once."""
     return (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + KV_BYTES_PER_TOKEN * batch * context) / COPY_BANDWIDTH
+
+
+def cuda_seconds(fn) -> float:
+    """Wall seconds of fn(), the device synchronised before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def gpu_state() -> dict:

@@ -1,8 +1,9 @@
 """Where a CBSyncGRPOTrainer rollout's time goes: Workload G's rollouts through the trainer against the same driver
 called alone on the same requests, with each step's executor path, the garbage collector's pauses and (--profile)
-a torch.profiler table of one call each way.
+a torch.profiler table of one call each way; --profile-step K: torch.profiler tables of optimizer step K as a whole
+(rollout and training: `grpo_hook_step.txt`, by CUDA time and by CPU time).
 
-    python -m benchmarks.grpo_hook [--tiny] [--steps 5] [--cb-compile] [--profile] [--out DIR]
+    python -m benchmarks.grpo_hook [--tiny] [--steps 5] [--cb-compile] [--profile] [--profile-step K] [--out DIR]
 
 Rows: every trainer rollout (`_generate` wall time, the driver's own call inside it, steps by path, GC seconds), then
 the driver alone on the last rollout's prompts, as the trainer leaves the model (accelerate's autocast forward in
@@ -44,6 +45,33 @@ class PathCounter:
         counts = collections.Counter(f"{output.path}/{output.kind.name}" for output in outputs)
         counts["redone"] = sum(getattr(output, "redone", False) for output in outputs)
         return {key: n for key, n in counts.items() if n}
+
+
+class StepProfile(TrainerCallback):
+    """torch.profiler over optimizer step `step` (1-based), from its begin to its end; tables into `path`."""
+
+    def __init__(self, step: int, path: Path, cuda: bool):
+        self.step, self.path, self.cuda, self.prof = step, path, cuda, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.prof is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        averages = self.prof.key_averages()
+        self.path.write_text("\n\n".join(f"sorted by {key}\n" + averages.table(sort_by=key, row_limit=60)
+                                         for key in ("self_cuda_time_total" if self.cuda else "self_cpu_time_total",
+                                                     "cpu_time_total")))
+        self.prof = None
 
 
 class StepClock(TrainerCallback):
@@ -163,6 +191,7 @@ def main(argv=None):
     parser.add_argument("--max-completion", type=int, default=None)
     parser.add_argument("--cb-compile", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-step", type=int, default=0, help="profile this optimizer step (0: none)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     args.max_completion = args.max_completion or (8 if args.tiny else 512)
@@ -196,7 +225,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS, train_dataset=dataset,
                                     processing_class=tokenizer, peft_config=lora_config(),
-                                    args=grpo_config(args, tmp), callbacks=[clock], cb_config=cb_config)
+                                    args=grpo_config(args, tmp), cb_config=cb_config,
+                                    callbacks=[clock] + ([StepProfile(args.profile_step, args.out / "grpo_hook_step.txt",
+                                                                      cuda)] if args.profile_step else []))
         driver = trainer.cb_driver
         driver.runner.observer = counter
         unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
@@ -212,8 +243,7 @@ def main(argv=None):
             rows[-1]["driver_s"] = round(last["inner_s"], 3)      # the driver's call inside TRL's _generate
             return out
         trainer._generate_single_turn, trainer._generate = single_turn, generate
-        for name in ("_calculate_rewards", "_get_per_token_logps_and_entropies", "compute_loss",
-                     "_log_logprob_difference"):
+        for name in ("_calculate_rewards", "_get_per_token_logps_and_entropies", "compute_loss"):
             phases.wrap(trainer, name)
         phases.wrap(trainer.accelerator, "backward")
         with _gc_pauses() as train_gc:

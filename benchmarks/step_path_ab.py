@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,17 +22,9 @@ REPEATS = 3
 BATCHES = (4, 32, 128)
 
 
-def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def measure(label: str) -> list[dict]:
     from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-    from benchmarks.common import build_model, floor_seconds_per_step
+    from benchmarks.common import build_model, cuda_seconds, floor_seconds_per_step
     model = build_model(lora=True)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -47,8 +38,8 @@ def measure(label: str) -> list[dict]:
         driver = SyncCBDriver(model, CBConfig(max_batch_size=batch, max_batch_tokens=batch_tokens, compile=True,
                                               progress_bar=False))
         torch.cuda.reset_peak_memory_stats()
-        first = _timed(lambda: driver.generate(prompts, params))
-        calls = [_timed(lambda: driver.generate(prompts, params)) for _ in range(REPEATS)]
+        first = cuda_seconds(lambda: driver.generate(prompts, params))
+        calls = [cuda_seconds(lambda: driver.generate(prompts, params)) for _ in range(REPEATS)]
         seconds = statistics.median(calls)
         new = params.max_new_tokens
         floor = new * floor_seconds_per_step(batch, len(prompts[0]) + new // 2, True)

@@ -113,21 +113,21 @@ def worker(out: Path) -> None:
 
     trainer._generate_and_score_completions = recording_score
 
-    gather, log_diff, inside = trainer.accelerator.gather, trainer._log_logprob_difference, []
+    gather, add_gap, inside = trainer.accelerator.gather, trainer._add_logprob_gap, []
 
     def recording_gather(tensor):
         if inside:
-            record["local_logp_diff"].append(tensor.item())
+            record["local_logp_diff"].append(tensor.reshape(-1).tolist())
         return gather(tensor)
 
-    def recording_log_diff(output):
+    def recording_add_gap(*args):
         inside.append(True)
         try:
-            log_diff(output)
+            add_gap(*args)
         finally:
             inside.clear()
 
-    trainer.accelerator.gather, trainer._log_logprob_difference = recording_gather, recording_log_diff
+    trainer.accelerator.gather, trainer._add_logprob_gap = recording_gather, recording_add_gap
 
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer.train()
@@ -232,12 +232,13 @@ def test_logprob_metric_is_gathered(ranks):
     logged = [[(e["sampling/sampling_logp_difference/mean"], e["sampling/sampling_logp_difference/max"])
                for e in rec["log_history"] if "sampling/sampling_logp_difference/mean" in e] for rec in records]
     assert len(logged[0]) == STEPS and logged[0] == logged[1]   # every rank logs the same, gathered values
-    local = [rec["local_logp_diff"] for rec in records]         # per step: this rank's mean, then its max
-    assert all(len(values) == 2 * STEPS for values in local)
+    local = [rec["local_logp_diff"] for rec in records]         # per step: this rank's [sum, count, max]
+    assert all(len(values) == STEPS for values in local)
     assert local[0] != local[1]                                 # the ranks' own values differ
     for step, (mean, peak) in enumerate(logged[0]):
-        means, peaks = [v[2 * step] for v in local], [v[2 * step + 1] for v in local]
-        assert mean == pytest.approx(sum(means) / WORLD, rel=1e-6, abs=1e-12) and peak == max(peaks)
+        sums, counts, peaks = zip(*(v[step] for v in local))
+        assert min(counts) > 0
+        assert mean == pytest.approx(sum(sums) / sum(counts), rel=1e-6, abs=1e-12) and peak == max(peaks)
         assert 0.0 <= mean <= peak < 1e-3
 
 

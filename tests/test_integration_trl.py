@@ -46,9 +46,10 @@ def even_fraction(completion_ids, **kwargs) -> list[float]:
 
 
 def grpo_args(tmp_path, **extra) -> GRPOConfig:
-    return GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=STEPS, learning_rate=1e-2, logging_steps=1, report_to=[],
-                      use_cpu=True, bf16=False, save_strategy="no", seed=0, dataloader_num_workers=0, **extra)
+    fields = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                  max_steps=STEPS, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+                  save_strategy="no", seed=0, dataloader_num_workers=0)
+    return GRPOConfig(**{**fields, **extra})
 
 
 class Spy:
@@ -139,6 +140,43 @@ def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
     # generator and trainer logprobs agree (same fp32 modules; only the attention kernel differs)
     means, peaks = (logged(trainer, f"sampling/sampling_logp_difference/{k}") for k in ("mean", "max"))
     assert len(means) == STEPS and all(0.0 <= m <= p < 1e-3 for m, p in zip(means, peaks))
+
+
+def test_logprob_gap_comes_from_the_loss_forward(tmp_path, monkeypatch):
+    """No forward of its own: the gap logged per step is over both micro-batches' completion tokens, against what a
+    separate no-grad forward of the same weights gives (the trainer's old logps, which TRL leaves out here)."""
+    counted = []
+    forward = CBSyncGRPOTrainer._get_per_token_logps_and_entropies
+
+    def counting(self, *args, **kwargs):
+        counted.append(self.state.global_step)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(CBSyncGRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                args=grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                                train_dataset=dataset(), processing_class=tokenizer(),
+                                cb_config=CBConfig(block_size=4, max_batch_tokens=64))
+    loss, expected = trainer._compute_loss, {}
+
+    def loss_with_reference(model, inputs):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, _, _ = forward(trainer, model, ids, mask, inputs["completion_ids"].size(1))
+        delta = (logps - inputs["sampling_per_token_logps"]).abs()[inputs["completion_mask"].bool()]
+        expected.setdefault(trainer.state.global_step, []).append(delta)
+        return loss(model, inputs)
+
+    trainer._compute_loss = loss_with_reference
+    trainer.train()
+    assert [counted.count(step) for step in range(STEPS)] == [2] * STEPS     # the two micro-batches' losses only
+    deltas = [torch.cat(expected[step]) for step in range(STEPS)]
+    assert all(len(expected[step]) == 2 for step in range(STEPS))
+    means, peaks = (logged(trainer, f"sampling/sampling_logp_difference/{k}") for k in ("mean", "max"))
+    assert means == pytest.approx([d.mean().item() for d in deltas], rel=1e-5, abs=1e-9)
+    assert peaks == pytest.approx([d.max().item() for d in deltas], rel=1e-5, abs=1e-9)
+    assert all(0.0 < m <= p < 1e-3 for m, p in zip(means, peaks))
 
 
 def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):

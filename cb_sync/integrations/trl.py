@@ -12,9 +12,10 @@ identical prompts share KV blocks. The driver runs the rollout in eval + inferen
 training flag; the KV cache is released after each rollout unless `release_after_rollout=False`.
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
-recomputes) reach TRL as `sampling_per_token_logps`. Each step logs `sampling/sampling_logp_difference/{mean,max}`,
-|generator - trainer| over completion tokens (one no-grad forward when TRL computes no old logps itself;
-`log_logprob_diff=False` skips it). `importance_sampling_correction=True` runs TRL's importance-sampling correction on
+recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,max}`,
+|generator - trainer| over the completion tokens since the last log, against TRL's old logps where it computes them,
+else against the logprobs of the loss's own forward (the same weights: no extra forward); `log_logprob_diff=False`
+skips it. `importance_sampling_correction=True` runs TRL's importance-sampling correction on
 these logprobs (configured by GRPOConfig's `vllm_importance_sampling_*` fields), which TRL gates on `use_vllm`: the
 flags are set for the duration of `_generate_and_score_completions` and `_compute_loss` only (no vLLM object is made or
 reached, and the weight-sync counter is kept current).
@@ -63,6 +64,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.release_after_rollout = release_after_rollout
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
+        self._logprob_gaps = {}         # mode -> [sum, count, max] of |generator - trainer| since the last log
         self._cb_driver: SyncCBDriver | None = None
         self._cb_driver_key = None
         if self._dist.is_zero3 or self._dist.is_fsdp:
@@ -127,35 +129,63 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         with self._importance_sampling_flags():
             output = super()._generate_and_score_completions(inputs)
         # With the correction on, TRL itself logs the same metrics from its old logps.
-        if self.log_logprob_diff and not self.importance_sampling_correction and "sampling_per_token_logps" in output:
-            self._log_logprob_difference(output)
+        if (self.log_logprob_diff and not self.importance_sampling_correction and "sampling_per_token_logps" in output
+                and output.get("old_per_token_logps") is not None):
+            self._add_logprob_gap(output["old_per_token_logps"], output)
         return output
 
     def _compute_loss(self, model, inputs):
-        with self._importance_sampling_flags():
+        with self._importance_sampling_flags(), self._loss_logprobs_compared(inputs):
             return super()._compute_loss(model, inputs)
 
-    def _log_logprob_difference(self, output: dict) -> None:
-        """Log mean and max |generator logprob - trainer logprob| over the completion tokens of this rollout."""
-        from trl.models.utils import disable_gradient_checkpointing
-        mode = "train" if self.model.training else "eval"
-        completion_mask = output["completion_mask"]
-        trainer_logps = output.get("old_per_token_logps")
-        if trainer_logps is None:
-            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            attention_mask = torch.cat([output["prompt_mask"], completion_mask], dim=1)
-            batch_size = (self.args.per_device_train_batch_size if mode == "train"
-                          else self.args.per_device_eval_batch_size)
-            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                trainer_logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size)
-        mask = completion_mask if "tool_mask" not in output else completion_mask * output["tool_mask"]
-        delta = (trainer_logps.float() - output["sampling_per_token_logps"].float()).abs()
+    @contextmanager
+    def _loss_logprobs_compared(self, inputs):
+        """Where TRL computes no old logps (they equal the loss's own logprobs, as TRL says), compare the logprobs of
+        the loss's forward, its first `_get_per_token_logps_and_entropies`, with the generator's."""
+        if (not self.log_logprob_diff or self.importance_sampling_correction
+                or "sampling_per_token_logps" not in inputs or inputs.get("old_per_token_logps") is not None):
+            yield
+            return
+        name, own = "_get_per_token_logps_and_entropies", self.__dict__.get("_get_per_token_logps_and_entropies")
+        inner, pending = getattr(self, name), [True]
+
+        def compared(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            if pending:
+                pending.clear()
+                self._add_logprob_gap(out[0].detach(), inputs)
+            return out
+        setattr(self, name, compared)
+        try:
+            yield
+        finally:
+            if own is None:
+                del self.__dict__[name]
+            else:
+                setattr(self, name, own)
+
+    def _add_logprob_gap(self, trainer_logps: torch.Tensor, batch: dict) -> None:
+        """Add |trainer - generator logprob| over this batch's completion tokens, gathered over ranks, to the gap since
+        the last log (sum, count and max stay on the device until `log`)."""
+        mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
+        delta = (trainer_logps.float() - batch["sampling_per_token_logps"].float()).abs()
         delta = delta[mask.bool() & ~torch.isnan(delta)]
-        delta = delta if delta.numel() else delta.new_zeros(1)       # a rank without completion tokens adds 0
-        device = self.accelerator.device
-        mean = self.accelerator.gather(delta.mean().to(device).reshape(1)).mean().item()
-        peak = self.accelerator.gather(delta.max().to(device).reshape(1)).max().item()
-        if math.isfinite(mean):
-            self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(mean)
-            self._metrics[mode]["sampling/sampling_logp_difference/max"].append(peak)
+        peak = delta.max() if delta.numel() else delta.new_zeros(())     # a rank without completion tokens adds 0
+        local = torch.stack([delta.sum(), delta.new_tensor(delta.numel()), peak]).to(self.accelerator.device)
+        gathered = self.accelerator.gather(local.reshape(1, 3)).reshape(-1, 3)
+        step = torch.cat([gathered[:, :2].sum(dim=0), gathered[:, 2].max().reshape(1)])
+        mode = "train" if self.model.training else "eval"
+        so_far = self._logprob_gaps.get(mode)
+        self._logprob_gaps[mode] = step if so_far is None else torch.cat(
+            [so_far[:2] + step[:2], torch.maximum(so_far[2:], step[2:])])
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with the logprob gap since the last log (token mean and max over every rank)."""
+        mode = "train" if self.model.training else "eval"
+        gap = self._logprob_gaps.pop(mode, None)
+        if gap is not None:
+            total, count, peak = gap.tolist()
+            if count and math.isfinite(total):
+                self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(total / count)
+                self._metrics[mode]["sampling/sampling_logp_difference/max"].append(peak)
+        super().log(logs, start_time)

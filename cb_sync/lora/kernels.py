@@ -133,7 +133,7 @@ def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_p
     tl.store(base_partial_ptr + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])     # one variant for every row count: no JIT build mid-run
 def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, stride_xm, stride_xk,
                    row_tiles, num_splits, members, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr,
                    COMPUTE: tl.constexpr, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
@@ -156,7 +156,7 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K,
                            NATIVE, BLOCK_K, BASE_SPLIT_K, BASE_BLOCK_M, BASE_BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, base2_ptr, out0_ptr, out1_ptr,
                    out2_ptr, n0, n1, n2, r0, r1, r2, s0, s1, s2, M, num_splits,
                    x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, K, stride_xm, base_partial_ptr,
