@@ -256,8 +256,9 @@ def summarize(per_step: list[dict], warmup: int, rollout: int) -> dict:
     peaks = [r["peak_gib"] for r in timed if r.get("peak_gib") is not None]
     lengths = [r["completion_len"] for r in per_step if r.get("completion_len") is not None]
     cards = [r["card_gib"] for r in timed if r.get("card_gib") is not None]
-    gap_means, gap_maxes, is_means, is_mins = ([r[key] for r in per_step if r.get(key) is not None] for key in (
-        "logp_gap_mean", "logp_gap_max", "is_ratio_mean", "is_ratio_min"))
+    gap_means, gap_p95s, gap_maxes, outside, is_means, is_mins = (
+        [r[key] for r in per_step if r.get(key) is not None]
+        for key in ("logp_gap_mean", "logp_gap_p95", "logp_gap_max", "ratio_outside", "is_ratio_mean", "is_ratio_min"))
     tokens = [(completion_tokens(r, rollout), r["gen_s"]) for r in timed]
     rates = [n / seconds for n, seconds in tokens if n is not None and seconds > 0]
     return {"step_ms": round(1000 * statistics.median(r["step_s"] for r in timed), 1),
@@ -270,6 +271,8 @@ def summarize(per_step: list[dict], warmup: int, rollout: int) -> dict:
             "mean_completion_len": round(statistics.mean(lengths), 1) if lengths else None,
             "logp_gap_mean": statistics.mean(gap_means) if gap_means else None,
             "logp_gap_max": max(gap_maxes, default=None),
+            "logp_gap_p95": statistics.mean(gap_p95s) if gap_p95s else None,          # the steps' mean
+            "ratio_outside": statistics.mean(outside) if outside else None,
             "is_ratio_mean": statistics.mean(is_means) if is_means else None,
             "is_ratio_min": min(is_mins, default=None), **length_summary(per_step)}
 

@@ -36,9 +36,13 @@ def _memory_ratio(cb: dict, r: dict) -> str:
 
 
 def _gap(r: dict) -> str:
-    """Generator-vs-trainer logprob gap (mean / max) and TRL's importance-sampling ratio (mean, min)."""
+    """Generator-vs-trainer logprob gap (mean / max; cb_sync: mean / p95 / max and the share of tokens whose ratio
+    lies outside [0.9, 1.1]) and TRL's importance-sampling ratio (mean, min)."""
     parts = []
-    if r.get("logp_gap_mean") is not None:
+    if r.get("logp_gap_p95") is not None:
+        parts.append(f"{_fmt(r['logp_gap_mean'], 3)} / {_fmt(r['logp_gap_p95'], 3)} / {_fmt(r['logp_gap_max'], 3)}, "
+                     f"{100 * r['ratio_outside']:.1f}% outside [0.9, 1.1]")
+    elif r.get("logp_gap_mean") is not None:
         parts.append(f"{_fmt(r['logp_gap_mean'], 3)} / {_fmt(r['logp_gap_max'], 3)}")
     if r.get("is_ratio_mean") is not None:
         parts.append(f"IS {_fmt(r['is_ratio_mean'], 3)} (min {_fmt(r['is_ratio_min'], 3)})")
@@ -79,7 +83,7 @@ def summary_table(rows: list[dict]) -> str:
                     ratio + (f" ({note})" if note else "")])
     return markdown_table(["backend", "steps", "median step ms", "median rollout ms", "rollout tok/s",
                            "driver alone ms (rollout / driver)", "peak GiB (torch)", "card GiB in use (max)",
-                           "completion len", "logprob gap mean / max; IS ratio", "gate",
+                           "completion len", "logprob gap mean / (p95 /) max; IS ratio", "gate",
                            "peer/cb_sync: step time / rollout time; cb_sync/peer: memory"], out)
 
 
@@ -95,7 +99,8 @@ def length_table(rows: list[dict]) -> str | None:
 
 def step_table(per_step: list[dict]) -> str:
     keys = ["step", "step_s", "gen_s", "peak_gib", "card_gib", "loss", "reward", "reward_std", "kl", "grad_norm",
-            "completion_len", "logp_gap_mean", "logp_gap_max", "is_ratio_min", "is_ratio_mean", "is_ratio_max"]
+            "completion_len", "logp_gap_mean", "logp_gap_p95", "logp_gap_max", "ratio_outside", "is_ratio_min",
+            "is_ratio_mean", "is_ratio_max"]
     cells = [[_fmt(r.get(k)) for k in keys] for r in per_step]
     if any("completion_lens" in r for r in per_step):       # EOS live: what each rollout generated
         keys = keys + ["completion_tokens", "len_max", "clipped_ratio"]

@@ -44,6 +44,8 @@ LOGGED = {
     "frac_reward_zero_std": "frac_reward_zero_std",
     "logp_gap_mean": "sampling/sampling_logp_difference/mean",
     "logp_gap_max": "sampling/sampling_logp_difference/max",
+    "logp_gap_p95": "sampling/sampling_logp_difference/p95",           # cb_sync's trainer only
+    "ratio_outside": "sampling/ratio_outside_0.9_1.1",                   # cb_sync's trainer only
     "is_ratio_min": "sampling/importance_sampling_ratio/min",
     "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
     "is_ratio_max": "sampling/importance_sampling_ratio/max",

@@ -33,10 +33,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 noise strictly inside (0, 1) per (seed [S], position [S], token id [S, V]); depends on
-    nothing else. 23 bits keep (k + 0.5) / 2**23 exact in float32, so 1.0 (an infinite Gumbel) never occurs."""
+    """Uniform float32 noise strictly inside (0, 1) per (seed [S], position [S], token id [S, V] or [1, V]); depends
+    on nothing else. 23 bits keep (k + 0.5) / 2**23 exact in float32, so 1.0 (an infinite Gumbel) never occurs."""
+    return _noise(seeds, positions, _token_hash(token_ids))
+
+
+def _token_hash(token_ids: torch.Tensor) -> torch.Tensor:
+    return _mix32(token_ids ^ 0x9E3779B9)
+
+
+def _noise(seeds: torch.Tensor, positions: torch.Tensor, token_hashes: torch.Tensor) -> torch.Tensor:
+    """uniform_noise from the tokens' hashes (_token_hash)."""
     key = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ _mix32(positions & _MASK32)))
-    bits = _mix32(key[:, None] ^ _mix32(token_ids ^ 0x9E3779B9))
+    bits = _mix32(key[:, None] ^ token_hashes)
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
@@ -114,7 +123,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     tokens, tied = scaled.argmax(dim=-1), None
     if not greedy:
         if batch.kind is SamplerKind.SAMPLE:
-            sampled = _gumbel_argmax(scaled, batch, None)
+            sampled = _gumbel_argmax(scaled, batch, None, scaled.shape[1])
         else:
             sampled, tied = _sample_filtered(scaled, batch)
         tokens = torch.where(batch.do_sample, sampled, tokens)
@@ -122,11 +131,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     return tokens, logprobs, tied
 
 
-def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None) -> torch.Tensor:
-    """Index of max(scores + Gumbel noise) per row: a draw from softmax(scores)."""
+def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None,
+                   vocab: int) -> torch.Tensor:
+    """Index of max(scores + Gumbel noise) per row: a draw from softmax(scores). token_ids: the ids of scores'
+    columns [S, N], None for the vocabulary in order. Where the columns are the whole vocabulary, each id is hashed
+    once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work."""
+    n = scores.shape[1]
     if token_ids is None:
-        token_ids = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
-    u = uniform_noise(batch.seeds, batch.positions, token_ids)
+        hashes = _token_hash(torch.arange(n, device=scores.device))[None]
+    elif n == vocab:
+        hashes = _token_hash(torch.arange(n, device=scores.device))[token_ids]
+    else:
+        hashes = _token_hash(token_ids)
+    u = _noise(batch.seeds, batch.positions, hashes)
     return (scores - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
@@ -138,18 +155,18 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.
     values, order = scaled.topk(min(CANDIDATES, vocab), dim=-1)
     order, by_id = order.sort(dim=-1)
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    tokens, tied = _filter_and_draw(values, order.gather(1, by_value), batch)
+    tokens, tied = _filter_and_draw(values, order.gather(1, by_value), batch, vocab)
     candidate_rows = candidate_top_k(batch.top_k)
     tied &= batch.do_sample & candidate_rows & (values.shape[1] < vocab)
     if batch.kind is SamplerKind.CANDIDATES:
         return tokens, tied
     values, order = scaled.sort(dim=-1, descending=True, stable=True)
-    full, _ = _filter_and_draw(values, order, batch)
+    full, _ = _filter_and_draw(values, order, batch, vocab)
     return torch.where(candidate_rows & ~tied, tokens, full), None
 
 
-def _filter_and_draw(values: torch.Tensor, order: torch.Tensor,
-                     batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _filter_and_draw(values: torch.Tensor, order: torch.Tensor, batch: SamplingBatch,
+                     vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Filters and draw over values [S, N] sorted descending (token ids `order`); whether top-k kept all N columns."""
     kth = values.gather(1, (batch.top_k.clamp(min=1, max=values.shape[1]) - 1)[:, None])
     keep = (batch.top_k[:, None] == 0) | (values >= kth)
@@ -161,5 +178,5 @@ def _filter_and_draw(values: torch.Tensor, order: torch.Tensor,
     probs = torch.softmax(values, dim=-1)
     keep &= probs >= batch.min_p[:, None] * probs[:, :1]
     values = values.masked_fill(~keep, float("-inf"))
-    choice = _gumbel_argmax(values, batch, order)
+    choice = _gumbel_argmax(values, batch, order, vocab)
     return order.gather(1, choice[:, None])[:, 0], kept_all

@@ -164,7 +164,7 @@ def test_logprob_gap_comes_from_the_loss_forward(tmp_path, monkeypatch):
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with torch.no_grad():
             logps, _, _ = forward(trainer, model, ids, mask, inputs["completion_ids"].size(1))
-        delta = (logps - inputs["sampling_per_token_logps"]).abs()[inputs["completion_mask"].bool()]
+        delta = (logps - inputs["sampling_per_token_logps"])[inputs["completion_mask"].bool()]
         expected.setdefault(trainer.state.global_step, []).append(delta)
         return loss(model, inputs)
 
@@ -173,10 +173,32 @@ def test_logprob_gap_comes_from_the_loss_forward(tmp_path, monkeypatch):
     assert [counted.count(step) for step in range(STEPS)] == [2] * STEPS     # the two micro-batches' losses only
     deltas = [torch.cat(expected[step]) for step in range(STEPS)]
     assert all(len(expected[step]) == 2 for step in range(STEPS))
-    means, peaks = (logged(trainer, f"sampling/sampling_logp_difference/{k}") for k in ("mean", "max"))
-    assert means == pytest.approx([d.mean().item() for d in deltas], rel=1e-5, abs=1e-9)
-    assert peaks == pytest.approx([d.max().item() for d in deltas], rel=1e-5, abs=1e-9)
-    assert all(0.0 < m <= p < 1e-3 for m, p in zip(means, peaks))
+    means, p95s, peaks = (logged(trainer, f"sampling/sampling_logp_difference/{k}") for k in ("mean", "p95", "max"))
+    assert means == pytest.approx([d.abs().mean().item() for d in deltas], rel=1e-5, abs=1e-9)
+    assert p95s == pytest.approx([d.abs().quantile(0.95).item() for d in deltas], rel=1e-5, abs=1e-9)
+    assert peaks == pytest.approx([d.abs().max().item() for d in deltas], rel=1e-5, abs=1e-9)
+    assert all(0.0 < m <= q <= p < 1e-3 for m, q, p in zip(means, p95s, peaks))
+    assert logged(trainer, "sampling/ratio_outside_0.9_1.1") == [0.0] * STEPS    # fp32 on both sides
+
+
+def test_ratio_outside_counts_tokens_beyond_ten_percent(tmp_path):
+    """The log's gap statistics over every batch added since the last log: |delta| mean / p95 / max and the share
+    of tokens whose ratio exp(delta) lies outside [0.9, 1.1]."""
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path),
+                                train_dataset=dataset(), processing_class=tokenizer())
+    generator = torch.zeros(2, 3)
+    batches = ((torch.tensor([[0.2, -0.2, 0.05], [0.0, 0.09, -0.1]]), torch.ones(2, 3)),
+               (torch.tensor([[-0.11, 5.0, 0.0], [0.0, 0.0, 0.0]]), torch.tensor([[1, 0, 0], [0, 0, 0]])))
+    for trainer_logps, mask in batches:
+        trainer._add_logprob_gap(trainer_logps, {"completion_mask": mask, "sampling_per_token_logps": generator})
+    trainer.log({})
+    delta = torch.tensor([0.2, -0.2, 0.05, 0.0, 0.09, -0.1, -0.11])    # the masked 5.0 is left out
+    entry = trainer.state.log_history[-1]
+    assert entry["sampling/sampling_logp_difference/mean"] == pytest.approx(delta.abs().mean().item())
+    assert entry["sampling/sampling_logp_difference/p95"] == pytest.approx(delta.abs().quantile(0.95).item())
+    assert entry["sampling/sampling_logp_difference/max"] == pytest.approx(0.2)
+    # outside [0.9, 1.1]: 0.2 and -0.2 and -0.11 (exp(-0.1) = 0.905 is inside, exp(0.09) = 1.094 too)
+    assert entry["sampling/ratio_outside_0.9_1.1"] == pytest.approx(3 / 7)
 
 
 def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):

@@ -122,6 +122,28 @@ def test_noise_is_strictly_inside_the_unit_interval():
     assert 0 < u.min() and u.max() < 1
 
 
+def test_vocabulary_hashed_once_draws_the_same_noise():
+    """Rows over the whole vocabulary take the tokens' hashes from one table (in order, or gathered for sorted rows):
+    the noise, and so the draw, equal those of hashing every (row, token) pair."""
+    from cb_sync.sampling import _gumbel_argmax, uniform_noise
+    rows, vocab = 5, 1000
+    gen = torch.Generator().manual_seed(3)
+    seeds = torch.randint(0, 2 ** 62, (rows,), generator=gen)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    batch = SamplingBatch(do_sample=torch.ones(rows, dtype=torch.bool), temperature=torch.ones(rows),
+                          top_k=torch.zeros(rows, dtype=torch.int64), top_p=torch.ones(rows), min_p=torch.zeros(rows),
+                          seeds=seeds, positions=positions, kind=SamplerKind.SAMPLE)
+    scores = torch.randn(rows, vocab, generator=gen)
+    in_order = torch.arange(vocab).expand(rows, -1)
+    permuted = torch.stack([torch.randperm(vocab, generator=gen) for _ in range(rows)])
+    assert torch.equal(uniform_noise(seeds, positions, torch.arange(vocab)[None]),
+                       uniform_noise(seeds, positions, in_order))
+    for ids, given in ((in_order, None), (permuted, permuted), (permuted[:, :64], permuted[:, :64])):
+        noise = uniform_noise(seeds, positions, ids)
+        expected = (scores[:, :ids.shape[1]] - torch.log(-torch.log(noise))).argmax(dim=-1)
+        assert torch.equal(_gumbel_argmax(scores[:, :ids.shape[1]], batch, given, vocab), expected)
+
+
 @pytest.mark.slow
 def test_peaked_logits_never_sample_another_token():
     """With a real vocabulary size, about 1% of rows used to draw u == 1 for some token (an infinite Gumbel)."""
@@ -161,7 +183,7 @@ def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, 
         assert not tied.any()
         scaled = logits / temperature
         values, order = scaled.sort(dim=-1, descending=True, stable=True)
-        full, _ = _filter_and_draw(values, order, batch)
+        full, _ = _filter_and_draw(values, order, batch, logits.shape[1])
         assert torch.equal(fast, full)
         assert len(set(fast.tolist())) > 1
 
@@ -209,8 +231,8 @@ def test_candidate_rows_take_the_candidates_draw_when_the_batch_also_sorts(monke
     import cb_sync.sampling as sampling
     real = sampling._filter_and_draw
 
-    def full_path_draws_token_0(values, order, batch):
-        tokens, kept_all = real(values, order, batch)
+    def full_path_draws_token_0(values, order, batch, vocab):
+        tokens, kept_all = real(values, order, batch, vocab)
         return (tokens * 0 if values.shape[1] == 5000 else tokens), kept_all
 
     torch.manual_seed(0)

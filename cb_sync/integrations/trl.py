@@ -12,8 +12,9 @@ identical prompts share KV blocks. The driver runs the rollout in eval + inferen
 training flag; the KV cache is released after each rollout unless `release_after_rollout=False`.
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
-recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,max}`,
-|generator - trainer| over the completion tokens since the last log, against TRL's old logps where it computes them,
+recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
+of |generator - trainer| and `sampling/ratio_outside_0.9_1.1`, the share of tokens whose ratio p_trainer / p_generator
+lies outside [0.9, 1.1], over the completion tokens since the last log: against TRL's old logps where it computes them,
 else against the logprobs of the loss's own forward (the same weights: no extra forward); `log_logprob_diff=False`
 skips it. `importance_sampling_correction=True` runs TRL's importance-sampling correction on
 these logprobs (configured by GRPOConfig's `vllm_importance_sampling_*` fields), which TRL gates on `use_vllm`: the
@@ -64,7 +65,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.release_after_rollout = release_after_rollout
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
-        self._logprob_gaps = {}         # mode -> [sum, count, max] of |generator - trainer| since the last log
+        self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
         self._cb_driver: SyncCBDriver | None = None
         self._cb_driver_key = None
         if self._dist.is_zero3 or self._dist.is_fsdp:
@@ -165,27 +166,26 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                 setattr(self, name, own)
 
     def _add_logprob_gap(self, trainer_logps: torch.Tensor, batch: dict) -> None:
-        """Add |trainer - generator logprob| over this batch's completion tokens, gathered over ranks, to the gap since
-        the last log (sum, count and max stay on the device until `log`)."""
+        """Keep trainer - generator logprob over this batch's completion tokens, gathered over ranks, until `log`."""
         mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
-        delta = (trainer_logps.float() - batch["sampling_per_token_logps"].float()).abs()
-        delta = delta[mask.bool() & ~torch.isnan(delta)]
-        peak = delta.max() if delta.numel() else delta.new_zeros(())     # a rank without completion tokens adds 0
-        local = torch.stack([delta.sum(), delta.new_tensor(delta.numel()), peak]).to(self.accelerator.device)
-        gathered = self.accelerator.gather(local.reshape(1, 3)).reshape(-1, 3)
-        step = torch.cat([gathered[:, :2].sum(dim=0), gathered[:, 2].max().reshape(1)])
+        delta = trainer_logps.float() - batch["sampling_per_token_logps"].float()
+        delta = delta[mask.bool() & ~torch.isnan(delta)].to(self.accelerator.device)
+        # ranks hold different token counts: pad with NaN to the longest, gather, drop the padding
+        delta = self.accelerator.gather(self.accelerator.pad_across_processes(delta, pad_index=math.nan))
         mode = "train" if self.model.training else "eval"
-        so_far = self._logprob_gaps.get(mode)
-        self._logprob_gaps[mode] = step if so_far is None else torch.cat(
-            [so_far[:2] + step[:2], torch.maximum(so_far[2:], step[2:])])
+        self._logprob_gaps.setdefault(mode, []).append(delta[~torch.isnan(delta)])
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """TRL's log, with the logprob gap since the last log (token mean and max over every rank)."""
+        """TRL's log, with the logprob gap since the last log (over every rank's completion tokens)."""
         mode = "train" if self.model.training else "eval"
-        gap = self._logprob_gaps.pop(mode, None)
-        if gap is not None:
-            total, count, peak = gap.tolist()
-            if count and math.isfinite(total):
-                self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(total / count)
-                self._metrics[mode]["sampling/sampling_logp_difference/max"].append(peak)
+        deltas = self._logprob_gaps.pop(mode, [])
+        delta = torch.cat(deltas) if deltas else torch.empty(0)
+        if delta.numel():
+            gap = delta.abs()
+            outside = (delta > math.log(1.1)) | (delta < math.log(0.9))
+            metrics = self._metrics[mode]
+            metrics["sampling/sampling_logp_difference/mean"].append(gap.mean().item())
+            metrics["sampling/sampling_logp_difference/p95"].append(torch.quantile(gap, 0.95).item())
+            metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
+            metrics["sampling/ratio_outside_0.9_1.1"].append(outside.float().mean().item())
         super().log(logs, start_time)
