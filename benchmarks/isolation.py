@@ -47,6 +47,10 @@ class ChildOutcome:
         return f"its process exited with code {self.returncode} without this row; last output: {last[:500]}"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_child(command: list[str], timeout: float | None = None, env: dict | None = None, tail_lines: int = 40,
               release_timeout: float = 60.0) -> ChildOutcome:
     """Run command in a process group of its own (same session: whatever outlives this process still ends with the
@@ -56,8 +60,10 @@ def run_child(command: list[str], timeout: float | None = None, env: dict | None
     back to its level before the start."""
     before = card_memory()
     start = time.monotonic()
+    # SIGINT as the default in the child: a shell that starts this process in the background ignores it, and the
+    # child would inherit that and see no interruption until it is terminated
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=env, process_group=0)
+                            env=env, process_group=0, preexec_fn=_default_sigint)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
 
     def pump():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -157,6 +158,22 @@ def test_isolated_time_limit_stops_an_engine_and_skips_the_rest(tmp_path, monkey
     assert time.monotonic() - start < 30
     assert "stopped at its time limit" in rows[0]["error"] and rows[0]["engine"] == "cb_sync"
     assert rows[2]["engine"] == "vllm" and rows[2]["error"] == "not run: the run's --time-limit was used up"
+
+
+def test_run_child_interrupts_a_child_when_this_process_ignores_sigint(monkeypatch):
+    """A shell that starts the benchmark in the background ignores SIGINT, and children inherit that: the child still
+    gets SIGINT as an interruption (KeyboardInterrupt) at its time limit, not the termination 30 s later."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        outcome = isolation.run_child(_child("""
+            import time
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                print("interrupted")"""), timeout=1.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert outcome.timed_out and outcome.seconds < 20 and "interrupted" in outcome.tail
 
 
 def _alive(pid: int) -> bool:
