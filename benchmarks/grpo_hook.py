@@ -1,9 +1,10 @@
-"""Where a CBSyncGRPOTrainer rollout's time goes: Workload G's rollouts through the trainer against the same driver
-called alone on the same requests, with each step's executor path, the garbage collector's pauses and (--profile)
+"""Where a CBSyncGRPOTrainer rollout's time goes: Workload G's (or G2's) rollouts through the trainer against the same
+driver called alone on the same requests, with each step's executor path, the garbage collector's pauses and (--profile)
 a torch.profiler table of one call each way; --profile-step K: torch.profiler tables of optimizer step K as a whole
 (rollout and training: `grpo_hook_step.txt`, by CUDA time and by CPU time).
 
-    python -m benchmarks.grpo_hook [--tiny] [--steps 5] [--cb-compile] [--profile] [--profile-step K] [--out DIR]
+    python -m benchmarks.grpo_hook [--tiny] [--workload G2] [--model qwen3-1.7b] [--steps 5] [--cb-compile] [--profile]
+        [--profile-step K] [--out DIR]
 
 Rows: every trainer rollout (`_generate` wall time, the driver's own call inside it, steps by path, GC seconds), then
 the driver alone on the last rollout's prompts, as the trainer leaves the model (accelerate's autocast forward in
@@ -24,9 +25,9 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from benchmarks.common import build_model, gpu_state
-from benchmarks.grpo import build, grpo_config
-from benchmarks.grpo_workload import GEN_BATCH, REWARDS, lora_config, make_dataset, make_tokenizer
+from benchmarks.common import MODEL_CONFIGS, build_model, gpu_state
+from benchmarks.grpo import build, grpo_config, resolve, stop_ids
+from benchmarks.grpo_workload import REWARDS, WORKLOADS, lora_config, make_dataset, make_tokenizer
 from benchmarks.throughput import _gc_pauses
 
 
@@ -184,6 +185,8 @@ def dynamo_frames() -> int:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--workload", default="G", choices=list(WORKLOADS))
+    parser.add_argument("--model", default="qwen3-4b", choices=list(MODEL_CONFIGS))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--alone", type=int, default=3, help="driver-alone calls per variant")
     parser.add_argument("--variants", nargs="*", default=["as_left", "fresh_model"],
@@ -194,20 +197,22 @@ def main(argv=None):
     parser.add_argument("--profile-step", type=int, default=0, help="profile this optimizer step (0: none)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
-    args.max_completion = args.max_completion or (8 if args.tiny else 512)
-    args.beta, args.seed = 0.04, 0
+    args.beta, args.seed, args.warmup, args.shots, args.cb_max_batch_tokens = 0.04, 0, None, None, None
+    resolve(args)       # the workload's settings where none is given
+    work = args.work
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = not args.tiny
     from cb_sync import CBConfig, SyncCBDriver
     from cb_sync.integrations.trl import CBSyncGRPOTrainer
 
     tokenizer = make_tokenizer(512 if args.tiny else 151936)
-    dataset = make_dataset(n=64, shots=6, seed=0)
+    dataset = make_dataset(n=work.dataset_size, shots=args.shots, seed=0)
     torch.manual_seed(0)
-    model = build(args, tokenizer)
+    model = build(args, tokenizer, stop_ids(args, tokenizer), args.model)
     rows, counter, last, clock = [], PathCounter(), {}, StepClock(cuda)
     phases = Phases(clock, cuda)
-    cb_config = CBConfig(max_batch_size=GEN_BATCH, max_batch_tokens=512, compile=args.cb_compile, progress_bar=False)
+    cb_config = CBConfig(max_batch_size=work.rollout, max_batch_tokens=args.cb_max_batch_tokens,
+                         compile=args.cb_compile, progress_bar=False)
 
     def measured(what: str, driver, fn, **extra):
         """Run fn (one rollout) and add its row: seconds, GC, steps by path, capture/warm-up seconds, compiles."""
@@ -222,12 +227,12 @@ def main(argv=None):
         print(rows[-1], flush=True)
         return out
 
+    profiled = [StepProfile(args.profile_step, args.out / "grpo_hook_step.txt", cuda)] if args.profile_step else []
     with tempfile.TemporaryDirectory() as tmp:
         trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS, train_dataset=dataset,
                                     processing_class=tokenizer, peft_config=lora_config(),
-                                    args=grpo_config(args, tmp), cb_config=cb_config,
-                                    callbacks=[clock] + ([StepProfile(args.profile_step, args.out / "grpo_hook_step.txt",
-                                                                      cuda)] if args.profile_step else []))
+                                    args=grpo_config(args, tmp, work), cb_config=cb_config,
+                                    callbacks=[clock] + profiled)
         driver = trainer.cb_driver
         driver.runner.observer = counter
         unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
@@ -285,7 +290,7 @@ def main(argv=None):
                     unwrapped.forward = own
         if "fresh_model" in args.variants:      # the throughput benchmarks' model: bf16 base, fp32 adapters
             fresh = SyncCBDriver(build_model(lora=True, tiny=args.tiny, device="cpu" if args.tiny else "cuda",
-                                             dtype=torch.float32 if args.tiny else torch.bfloat16),
+                                             dtype=torch.float32 if args.tiny else torch.bfloat16, shape=args.model),
                                  cb_config, observer=counter)
             alone("driver alone, fresh_model", fresh)
     gc.callbacks.remove(clock._collection)

@@ -132,6 +132,19 @@ def test_tiny_g2_eos_live(tmp_path):
         assert text in table, text
 
 
+def test_hook_probe_runs_g2_with_a_profiled_step(tmp_path):
+    """benchmarks.grpo_hook on tiny G2: a row per trainer rollout (8 requests each) and per driver-alone call, the
+    phases of every step, and the profiled step's tables."""
+    from benchmarks import grpo_hook
+    result = grpo_hook.main(["--tiny", "--workload", "G2", "--steps", "2", "--alone", "1", "--variants", "as_left",
+                             "--profile-step", "2", "--out", str(tmp_path)])
+    rollouts = [r for r in result["rows"] if r["what"] == "trainer rollout"]
+    assert [r["step"] for r in rollouts] == [1, 2] and all(r["s"] > 0 for r in rollouts)
+    assert [r["what"] for r in result["rows"][2:]] == ["driver alone, as_left"]
+    assert sorted(result["facts"]["phases"]) == [1, 2] and len(result["facts"]["step_s"]) == 2
+    assert "sorted by cpu_time_total" in (tmp_path / "grpo_hook_step.txt").read_text()
+
+
 def test_g2_settings_reach_trl_and_the_peers(tmp_path):
     args = grpo.parse_args(["--tiny", "--workload", "G2", "--model", "qwen3-1.7b", "--out", str(tmp_path)])
     config = grpo.grpo_config(args, str(tmp_path), args.work)
