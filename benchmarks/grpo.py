@@ -296,6 +296,9 @@ def parse_args(argv=None):
     parser.add_argument("--kl-atol", type=float, default=1e-3, help="gate: absolute per-step KL tolerance")
     parser.add_argument("--kl-rtol", type=float, default=1.0, help="gate: KL tolerance relative to the reference")
     parser.add_argument("--cb-compile", action="store_true", help="torch.compile cb_sync's decode step")
+    parser.add_argument("--sdpa-cudnn", default="on", choices=["on", "off"],
+                        help="cuDNN attention in the trainers' SDPA forward and backward (PyTorch's choice on Hopper; "
+                             "off: flash), for every backend: cuDNN builds kernels for each new sequence length")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
                         help="CBConfig.max_batch_tokens (G 512, G2 2048)")
     parser.add_argument("--cb-keep-cache", action="store_true",
@@ -384,8 +387,8 @@ def merge_runs(args) -> list[dict]:
     args.steps, args.warmup, args.max_completion, args.beta = (first["steps"], first["warmup"], first["new_tokens"],
                                                                first["beta"])
     args.seed = first.get("seed", args.seed)
-    differ = [k for k in ("workload", "model", "steps", "warmup", "new_tokens", "beta", "prompt_len", "seed")
-              if len({r.get(k) for r in merged}) > 1]
+    differ = [k for k in ("workload", "model", "steps", "warmup", "new_tokens", "beta", "prompt_len", "seed",
+                          "sdpa_cudnn") if len({r.get(k) for r in merged}) > 1]
     evaluate_gates(args, merged)
     text = report(args, merged, first["prompt_len"], sources=[str(p) for p in args.from_json], differ=differ)
     (args.out / f"{args.name}.json").write_text(json.dumps(merged, indent=1))
@@ -403,6 +406,8 @@ def settings(args, tokenizer, dataset) -> dict:
     out = {"workload": work.name, "model": shape, "lora": True, "batch": work.rollout,
            "num_generations": work.num_generations, "prompt_len": lengths[0], "new_tokens": args.max_completion,
            "steps": args.steps, "warmup": args.warmup, "beta": args.beta, "seed": args.seed}
+    if args.sdpa_cudnn == "off":        # rows with the default keep the keys they had
+        out["sdpa_cudnn"] = "off"
     if work.name != "G":     # G's rows keep the keys they had
         stops = stop_ids(args, tokenizer)
         out.update(prompts=work.prompts, micro_batch=work.micro_batch, shots=args.shots,
@@ -422,6 +427,7 @@ def sampling(work: Workload) -> dict:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.enable_cudnn_sdp(args.sdpa_cudnn == "on")
     if args.from_json:
         return merge_runs(args)
     if not args.tiny and not torch.cuda.is_available():

@@ -79,7 +79,7 @@ def child_command(backend: str, args, row_file: Path, time_limit: float | None) 
                "--name", args.name, "--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--max-completion", str(args.max_completion), "--shots", *map(str, shots), "--beta", str(args.beta),
                "--seed", str(args.seed), "--kl-atol", str(args.kl_atol), "--kl-rtol", str(args.kl_rtol),
-               "--unsloth-site", str(args.unsloth_site)]
+               "--unsloth-site", str(args.unsloth_site), "--sdpa-cudnn", args.sdpa_cudnn]
     if time_limit is not None:
         command += ["--time-limit", f"{max(time_limit, 1.0):.0f}"]
     return command + (["--tiny"] if args.tiny else [])

@@ -220,6 +220,8 @@ def report(args, rows: list[dict], prompt_len: int, sources: list[str] = (), dif
             "torch.cuda.max_memory_allocated (reset at every step begin). Card GiB: the device's memory in use "
             "(torch.cuda.mem_get_info: every process and pool, vLLM's included), the max over a step's samples "
             "(after the rollout, after vLLM's generate, at the step's end), max over timed steps."
+            + (" The trainers' SDPA ran without cuDNN attention (`--sdpa-cudnn off`)."
+               if rows[0].get("sdpa_cudnn") == "off" else "")
             + (f" Merged from the runs {', '.join(sources)} (one machine, one lease)." if sources else "")
             + (f" These settings DIFFER between them: {', '.join(differ)}." if differ else ""),
             "", "## Summary", "", summary_table(rows)]

@@ -156,6 +156,9 @@ def test_g2_settings_reach_trl_and_the_peers(tmp_path):
     command = grpo_peers.child_command("trl_vllm", args, tmp_path / "r.json", None)
     child = grpo.parse_args(command[3:])
     assert (child.workload, child.model, child.shots, child.max_completion) == ("G2", "qwen3-1.7b", (3, 28), 16)
+    assert child.sdpa_cudnn == "on"
+    off = grpo.parse_args(["--tiny", "--sdpa-cudnn", "off"])
+    assert grpo.parse_args(grpo_peers.child_command("unsloth", off, tmp_path / "r.json", None)[3:]).sdpa_cudnn == "off"
     stops = [1, 500, 511]
     assert grpo_peers.trl_vllm_kwargs(False, stops)["generation_kwargs"] == {"stop_token_ids": stops}
     assert "generation_kwargs" not in grpo_peers.trl_vllm_kwargs(False)
