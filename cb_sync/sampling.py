@@ -137,12 +137,11 @@ def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.
     columns [S, N], None for the vocabulary in order. Where the columns are the whole vocabulary, each id is hashed
     once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work."""
     n = scores.shape[1]
-    if token_ids is None:
-        hashes = _token_hash(torch.arange(n, device=scores.device))[None]
-    elif n == vocab:
-        hashes = _token_hash(torch.arange(n, device=scores.device))[token_ids]
-    else:
+    if token_ids is not None and n != vocab:
         hashes = _token_hash(token_ids)
+    else:
+        table = _token_hash(torch.arange(n, device=scores.device))
+        hashes = table[None] if token_ids is None else table[token_ids]
     u = _noise(batch.seeds, batch.positions, hashes)
     return (scores - torch.log(-torch.log(u))).argmax(dim=-1)
 

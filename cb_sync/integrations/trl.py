@@ -50,7 +50,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     release_after_rollout: free the KV cache after every rollout so the training step gets the memory (True).
     importance_sampling_correction: apply TRL's importance-sampling correction with the generator's logprobs (False;
         the generator runs the trained weights, so the ratio is close to 1 up to kernel numerics).
-    log_logprob_diff: log mean/max |generator - trainer| logprob per step (True)."""
+    log_logprob_diff: log the generator-vs-trainer logprob gap at every log (True; see the module's docstring)."""
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool = True,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True, **kwargs):
@@ -66,6 +66,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
+        self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
         self._cb_driver_key = None
         if self._dist.is_zero3 or self._dist.is_fsdp:
@@ -136,34 +137,23 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         return output
 
     def _compute_loss(self, model, inputs):
-        with self._importance_sampling_flags(), self._loss_logprobs_compared(inputs):
-            return super()._compute_loss(model, inputs)
-
-    @contextmanager
-    def _loss_logprobs_compared(self, inputs):
-        """Where TRL computes no old logps (they equal the loss's own logprobs, as TRL says), compare the logprobs of
-        the loss's forward, its first `_get_per_token_logps_and_entropies`, with the generator's."""
-        if (not self.log_logprob_diff or self.importance_sampling_correction
-                or "sampling_per_token_logps" not in inputs or inputs.get("old_per_token_logps") is not None):
-            yield
-            return
-        name, own = "_get_per_token_logps_and_entropies", self.__dict__.get("_get_per_token_logps_and_entropies")
-        inner, pending = getattr(self, name), [True]
-
-        def compared(*args, **kwargs):
-            out = inner(*args, **kwargs)
-            if pending:
-                pending.clear()
-                self._add_logprob_gap(out[0].detach(), inputs)
-            return out
-        setattr(self, name, compared)
+        # Where TRL computes no old logps (they equal the loss's own logprobs, as TRL says), the loss's forward, its
+        # first `_get_per_token_logps_and_entropies`, gives the trainer's side of the gap.
+        if (self.log_logprob_diff and not self.importance_sampling_correction and "sampling_per_token_logps" in inputs
+                and inputs.get("old_per_token_logps") is None):
+            self._gap_batch = inputs
         try:
-            yield
+            with self._importance_sampling_flags():
+                return super()._compute_loss(model, inputs)
         finally:
-            if own is None:
-                del self.__dict__[name]
-            else:
-                setattr(self, name, own)
+            self._gap_batch = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        batch, self._gap_batch = self._gap_batch, None
+        if batch is not None:
+            self._add_logprob_gap(out[0].detach(), batch)
+        return out
 
     def _add_logprob_gap(self, trainer_logps: torch.Tensor, batch: dict) -> None:
         """Keep trainer - generator logprob over this batch's completion tokens, gathered over ranks, until `log`."""
