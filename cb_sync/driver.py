@@ -113,10 +113,13 @@ class SyncCBDriver:
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
 
-    def release(self) -> None:
-        """Free the KV cache and captured graphs for training; the next generate() allocates and captures again."""
+    def release(self, keep_graphs: bool = False) -> None:
+        """Free the KV cache for training, and the captured graphs unless keep_graphs; the next generate() allocates
+        the cache again. Kept graphs (their memory: one decode step's activations per bucket, in one pool) are
+        replayed again when the cache comes back at the same address, as it tends to at the same size; else they are
+        captured again."""
         self.cache.release()
-        if self.runner.replay is not None:
+        if self.runner.replay is not None and not keep_graphs:
             self.runner.replay.graphs.release()
 
     def _run(self, requests: list[Request], bar: tqdm) -> None:

@@ -132,6 +132,11 @@ def test_release_then_generate_same_tokens():
     assert driver.cache.num_blocks == 0 and not driver.runner.replay.graphs.graphs
     second = driver.generate(prompts, params)
     assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    captured, address = dict(driver.runner.replay.graphs.graphs), driver.cache.storage.data_ptr()
+    driver.release(keep_graphs=True)
+    third = driver.generate(prompts, params)          # nothing allocated between: the cache returns where it was
+    assert driver.cache.storage.data_ptr() == address and driver.runner.replay.graphs.graphs == captured
+    assert [r.token_ids for r in third] == [r.token_ids for r in first]
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ class Spy:
     """Records every SyncCBDriver.generate / release call: the model's mode around it and what came back."""
 
     def __init__(self, monkeypatch):
-        self.calls, self.releases = [], 0
+        self.calls, self.releases, self.release_kwargs = [], 0, []
         generate, release = SyncCBDriver.generate, SyncCBDriver.release
 
         def spy_generate(drv, prompts, params=None, progress_bar=None):
@@ -67,9 +67,10 @@ class Spy:
                                    checkpointing=(checkpointing, drv.model.is_gradient_checkpointing)))
             return results
 
-        def spy_release(drv):
+        def spy_release(drv, **kwargs):
             self.releases += 1
-            return release(drv)
+            self.release_kwargs.append(kwargs)
+            return release(drv, **kwargs)
 
         monkeypatch.setattr(SyncCBDriver, "generate", spy_generate)
         monkeypatch.setattr(SyncCBDriver, "release", spy_release)
@@ -129,6 +130,7 @@ def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
     trainer.train()  # GRPOConfig's gradient_checkpointing=True: the Trainer turns it on when training starts
 
     assert len(spy.calls) == STEPS and spy.releases == STEPS  # one rollout per step, KV freed after each
+    assert spy.release_kwargs == [{"keep_graphs": True}] * STEPS
     assert len({id(c["driver"]) for c in spy.calls}) == 1  # one persistent driver
     assert spy.calls[0]["driver"].model is model
     assert all(c["before"] and c["after"] for c in spy.calls)  # train mode before and after every rollout

@@ -9,7 +9,8 @@ read from the GenerationConfig TRL builds for its transformers path; options cb_
 `repetition_penalty != 1`) raise ValueError at construction. EOS is TRL's `eos_token_ids`. TRL hands over each prompt
 repeated `num_generations` times; each copy is a request with its own fresh seed, so a group's members differ, and their
 identical prompts share KV blocks. The driver runs the rollout in eval + inference mode and restores every module's
-training flag; the KV cache is released after each rollout unless `release_after_rollout=False`.
+training flag; the KV cache is released after each rollout unless `release_after_rollout=False` (the captured decode
+graphs are kept, and replayed again where the next rollout's cache lands at the same address).
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
@@ -111,7 +112,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             return super()._generate(prompts)
         finally:
             if self.release_after_rollout and self._cb_driver is not None:
-                self._cb_driver.release()
+                self._cb_driver.release(keep_graphs=True)
 
     @contextmanager
     def _importance_sampling_flags(self):
