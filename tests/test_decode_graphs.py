@@ -282,25 +282,23 @@ def test_padded_rows_hold_no_stale_blocks_after_a_smaller_cache():
 
 
 def test_release_keeping_graphs_replays_them_only_over_a_cache_at_the_same_address():
-    """Kept graphs recorded the cache's address: a cache that comes back elsewhere gets new graphs, one that comes
+    """Kept graphs recorded the cache's addresses: a cache that comes back elsewhere gets new graphs, one that comes
     back where it was replays the kept ones; the tokens are HF's either way."""
     model = make_model("llama")
     driver = _driver_with_static_path(model)
-    graphs, prompts, params = driver.runner.replay.graphs, random_prompts([6, 9]), SamplingParams(max_new_tokens=4)
+    cache, graphs = driver.cache, driver.runner.replay.graphs
+    prompts, params = random_prompts([6, 9]), SamplingParams(max_new_tokens=4)
     driver.generate(prompts, params)
-    captured, storage = dict(graphs.graphs), driver.cache.storage
+    captured, pools = dict(graphs.graphs), (cache.k_caches, cache.v_caches)
     driver.release(keep_graphs=True)
-    assert driver.cache.num_blocks == 0 and driver.cache.storage is None and graphs.graphs == captured
-    results = driver.generate(prompts, params)          # `storage` still held: the new cache lies elsewhere
-    assert driver.cache.storage.data_ptr() != storage.data_ptr()
+    assert cache.num_blocks == 0 and not cache.k_caches and graphs.graphs == captured
+    results = driver.generate(prompts, params)          # the old pools still held: the new ones lie elsewhere
+    assert cache.k_caches[0].data_ptr() != pools[0][0].data_ptr()
     assert captured and all(graphs.graphs[k] is not captured[k] for k in captured)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
-    captured, storage = dict(graphs.graphs), driver.cache.storage
+    captured, pools, blocks = dict(graphs.graphs), (cache.k_caches, cache.v_caches), cache.num_blocks
     driver.release(keep_graphs=True)
-    driver.cache.storage = storage                      # the next cache at the recorded address: as if it came back
-    driver.cache.k_caches, driver.cache.v_caches = list(storage[0]), list(storage[1])
-    driver.cache.num_blocks = storage.shape[2]
-    del storage
+    cache.k_caches, cache.v_caches, cache.num_blocks = *pools, blocks    # as if they came back where they were
     results = driver.generate(prompts, params)
     assert graphs.graphs == captured
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]

@@ -132,10 +132,12 @@ def test_release_then_generate_same_tokens():
     assert driver.cache.num_blocks == 0 and not driver.runner.replay.graphs.graphs
     second = driver.generate(prompts, params)
     assert [r.token_ids for r in first] == [r.token_ids for r in second]
-    captured, address = dict(driver.runner.replay.graphs.graphs), driver.cache.storage.data_ptr()
+    captured = dict(driver.runner.replay.graphs.graphs)
+    addresses = [t.data_ptr() for t in (*driver.cache.k_caches, *driver.cache.v_caches)]
     driver.release(keep_graphs=True)
-    third = driver.generate(prompts, params)          # nothing allocated between: the cache returns where it was
-    assert driver.cache.storage.data_ptr() == address and driver.runner.replay.graphs.graphs == captured
+    third = driver.generate(prompts, params)          # nothing allocated between: the pools return where they were
+    assert [t.data_ptr() for t in (*driver.cache.k_caches, *driver.cache.v_caches)] == addresses
+    assert driver.runner.replay.graphs.graphs == captured
     assert [r.token_ids for r in third] == [r.token_ids for r in first]
 
 
@@ -232,3 +234,35 @@ def test_compiled_prefill_and_mixed_steps_share_the_decode_compile():
     assert any(1 in lengths and max(lengths) > 1 for lengths in steps)      # a step mixing decode and prefill
     assert len(steps) >= 5 and all(step.path == "compiled" for step in uncaptured)
     assert [r.token_ids for r in results] == [_hf_greedy_cuda(model, p, 8) for p in prompts]
+
+
+def test_batch_invariant_mode_on_the_4b_shape():
+    """Qwen3-4B shape + LoRA r32, bf16, CBConfig(batch_invariant=True): a seeded request gives the same tokens and
+    logprobs alone and inside a batch of 31 others (chunked prefill, replayed decode graphs), bit for bit, and a
+    train-mode full-sequence forward of the batch (left-padded) gives the generator's logprobs bit for bit."""
+    from benchmarks.common import build_model
+    from cb_sync.invariant_forward import invariant_logits, invariant_logprobs
+
+    model = build_model(lora=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 150000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(20, 120, (32,), generator=gen)]
+    params = [SamplingParams(max_new_tokens=48, do_sample=True, temperature=1.0, seed=i, logprobs=True)
+              for i in range(32)]
+    config = CBConfig(batch_invariant=True, max_batch_tokens=512, max_batch_size=32)
+    batch = SyncCBDriver(model, config).generate(prompts, params)
+    alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([prompts[5]], params[5])[0]
+    assert alone.token_ids == batch[5].token_ids and alone.logprobs == batch[5].logprobs
+    width = max(map(len, prompts))
+    ids = torch.zeros(32, width + 48, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, result) in enumerate(zip(prompts, batch)):
+        ids[i, width - len(prompt):width], mask[i, width - len(prompt):width] = torch.tensor(prompt), 1
+        ids[i, width:] = torch.tensor(result.token_ids)
+        mask[i, width:] = 1
+    model.train()
+    with torch.no_grad():
+        logits = invariant_logits(model, ids.cuda(), mask.cuda(), 48, config.block_size)
+    logprobs = invariant_logprobs(logits, ids[:, width:].cuda(), 1.0).cpu()
+    model.eval()
+    assert torch.equal(logprobs, torch.tensor([r.logprobs for r in batch], dtype=torch.float32))

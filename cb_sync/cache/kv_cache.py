@@ -1,7 +1,8 @@
 """Per-layer paged K/V pools, allocated for what a call needs (`blocks_to_allocate`) and given back by release().
 
-All pools are views of one allocation: freed and requested again at the same size, it tends to come back at the same
-address from torch's caching allocator, where graphs captured over it can be replayed again (`DecodeGraphs.keep_if`)."""
+Each pool is an allocation of its own (views of one allocation would alias the compiled step's inputs). Freed and
+requested again in the same order and sizes, they tend to come back at the same addresses from torch's caching
+allocator, where graphs captured over them can be replayed again (`DecodeGraphs.keep_if`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ class PagedKVCache:
     num_blocks: int = 0
     k_caches: list[torch.Tensor] = field(default_factory=list)
     v_caches: list[torch.Tensor] = field(default_factory=list)
-    storage: torch.Tensor | None = None      # [2, num_layers, num_blocks, ...]: every pool, K then V
 
     @property
     def bytes_per_block(self) -> int:
@@ -34,14 +34,14 @@ class PagedKVCache:
         if self.num_blocks >= num_blocks:
             return
         self.release()
-        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.k_caches, self.v_caches = list(self.storage[0]), list(self.storage[1])
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
 
     def release(self) -> None:
         """Drop the pools so their memory can serve training."""
-        self.k_caches, self.v_caches, self.storage, self.num_blocks = [], [], None, 0
+        self.k_caches, self.v_caches, self.num_blocks = [], [], 0
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
