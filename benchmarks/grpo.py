@@ -138,7 +138,9 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                 from cb_sync.integrations.trl import CBSyncGRPOTrainer
                 # one rollout = work.rollout requests: decode graphs are captured for buckets up to it only
                 cb_config = CBConfig(max_batch_size=work.rollout, max_batch_tokens=args.cb_max_batch_tokens,
-                                     compile=args.cb_compile, progress_bar=False)
+                                     compile=args.cb_compile, progress_bar=False,
+                                     batch_invariant=args.cb_batch_invariant)
+                row["cb_batch_invariant"] = args.cb_batch_invariant
                 trainer = CBSyncGRPOTrainer(args=grpo_config(args, tmp, work), cb_config=cb_config,
                                             release_after_rollout=not args.cb_keep_cache, **common)
                 trainer._generate_single_turn = remembered(trainer._generate_single_turn, last)
@@ -303,6 +305,9 @@ def parse_args(argv=None):
                         help="CBConfig.max_batch_tokens (G 512, G2 2048)")
     parser.add_argument("--cb-keep-cache", action="store_true",
                         help="CBSyncGRPOTrainer(release_after_rollout=False): keep KV cache and graphs across steps")
+    parser.add_argument("--cb-batch-invariant", action="store_true",
+                        help="CBConfig(batch_invariant=True): cb_sync's rollouts and its trainer's logprobs bit-equal "
+                             "(uncompiled: not with --cb-compile)")
     parser.add_argument("--logp-gap-tol", type=float, default=None,
                         help="gate: max |generator - trainer| logprob for cb_sync (1e-3 with --tiny; GPU: report only)")
     parser.add_argument("--time-limit", type=float, default=None,

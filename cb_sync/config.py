@@ -28,7 +28,11 @@ class CBConfig:
     max_cache_gib: cap on KV memory when num_blocks is None.
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
     progress_bar: None = only when stderr is a terminal.
-    tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`)."""
+    tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).
+    batch_invariant: a request's tokens and logprobs depend on that request alone, bit for bit: not on what else is in
+        the batch, on prefill chunking, preemption or graph replay (`batch_invariant.py`). Linear layers and
+        reductions run over fixed-shape row blocks and attention through a row-invariant path; runs eagerly (no
+        compile) without the LoRA kernels; slower (measured in benchmarks/NOTES.md)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -42,6 +46,7 @@ class CBConfig:
     prefix_sharing: bool = True
     progress_bar: bool | None = None
     tuning: KernelTuning = field(default_factory=KernelTuning)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         _positive("block_size", self.block_size)
@@ -51,6 +56,9 @@ class CBConfig:
         _positive("max_batch_size", self.max_batch_size)
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        if self.batch_invariant and (self.compile or self.attn_backend != "auto"):
+            raise ValueError("batch_invariant=True runs its own attention, uncompiled: it needs compile=False and "
+                             f"attn_backend='auto', got compile={self.compile}, attn_backend={self.attn_backend!r}")
         if not self.max_cache_gib > 0:
             raise ValueError(f"max_cache_gib must be > 0, got {self.max_cache_gib!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from collections.abc import Sequence
@@ -9,7 +10,8 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .attention import sdpa_paged, select_backend
+from .attention import invariant, sdpa_paged, select_backend
+from .batch_invariant import invariant_ops
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
 from .graphs import decode_buckets
@@ -57,7 +59,8 @@ class SyncCBDriver:
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
                                   self.dtype, self.device)
-        self.backend = select_backend(self.config.attn_backend, self.device)
+        self.backend = invariant if self.config.batch_invariant else select_backend(self.config.attn_backend,
+                                                                                     self.device)
         self.runner = self._runner()
 
     def _runner(self) -> ModelRunner:
@@ -102,9 +105,9 @@ class SyncCBDriver:
         check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity)
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
-        use_lora_kernels = cfg.lora_kernels and self.backend is not sdpa_paged
+        use_lora_kernels = cfg.lora_kernels and self.backend not in (sdpa_paged, invariant)
         with generation_mode(self.model) as modules, lora_kernels(self.model, use_lora_kernels, modules,
-                                                                   cfg.tuning.lora), tqdm(
+                                                                   cfg.tuning.lora), self._ops(), tqdm(
                 total=sum(r.params.max_new_tokens for r in requests), unit="tok", desc="cb_sync",
                 disable=not (sys.stderr.isatty() if show is None else show)) as bar:
             self.cache.ensure(num_blocks)
@@ -112,6 +115,9 @@ class SyncCBDriver:
                 self.runner.replay.begin_call(max(blocks_for(r.max_tokens, cfg.block_size) for r in requests), modules)
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
+
+    def _ops(self):
+        return invariant_ops() if self.config.batch_invariant else contextlib.nullcontext()
 
     def release(self, keep_graphs: bool = False) -> None:
         """Free the KV cache for training, and the captured graphs unless keep_graphs; the next generate() allocates

@@ -127,8 +127,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         else:
             sampled, tied = _sample_filtered(scaled, batch)
         tokens = torch.where(batch.do_sample, sampled, tokens)
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens, logprobs, tied
+    return tokens, chosen_logprobs(scaled, tokens), tied
+
+
+def chosen_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(scaled [S, V])[row, tokens[row]]: the generator's logprobs, and a batch-invariant trainer's."""
+    return torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None,

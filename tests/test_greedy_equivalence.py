@@ -19,20 +19,24 @@ def _check_equal(model, prompts, params, results):
         assert result.finish_reason == "length"
 
 
-def test_mixed_lengths_match_hf(arch):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_mixed_lengths_match_hf(arch, batch_invariant):
     model = make_model(arch)
     prompts = random_prompts(LENGTHS)
     params = [SamplingParams(max_new_tokens=n) for n in (5, 12, 3, 20, 9, 14, 6, 1)]
-    results = SyncCBDriver(model, CBConfig(block_size=16, max_batch_tokens=512)).generate(prompts, params)
+    config = CBConfig(block_size=16, max_batch_tokens=512, batch_invariant=batch_invariant)
+    results = SyncCBDriver(model, config).generate(prompts, params)
     _check_equal(model, prompts, params, results)
 
 
 @pytest.mark.parametrize("arch_name", ["qwen3", pytest.param("mistral", marks=pytest.mark.slow)])
-def test_preemption_and_chunked_prefill_match_hf(arch_name):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_preemption_and_chunked_prefill_match_hf(arch_name, batch_invariant):
     model = make_model(arch_name)
     prompts = random_prompts([40, 9, 70, 25, 2, 33])
     params = [SamplingParams(max_new_tokens=24)] * len(prompts)
-    driver = SyncCBDriver(model, CBConfig(block_size=8, num_blocks=16, max_batch_tokens=24, max_batch_size=4))
+    driver = SyncCBDriver(model, CBConfig(block_size=8, num_blocks=16, max_batch_tokens=24, max_batch_size=4,
+                                          batch_invariant=batch_invariant))
     results = driver.generate(prompts, params)
     _check_equal(model, prompts, params, results)
 

@@ -230,6 +230,56 @@ def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):
     assert trainer.use_vllm is False  # the flag is only flipped for the duration of TRL's calls
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, batch_invariant):
+    """CBConfig(batch_invariant=True): the generator's logprob of every completion token equals, bit for bit, the
+    trainer's old logps (no grad) and the loss's (with grad, through gradient checkpointing): the gap is exactly 0,
+    every importance ratio exactly 1. The default mode's (fp32) gap is small, not 0. LoRA with prompts of several
+    lengths (left padding), chunked prefill and two micro-batches."""
+    from peft import LoraConfig
+
+    pairs = []
+    add = CBSyncGRPOTrainer._add_logprob_gap
+
+    def recording(self, trainer_logps, batch):
+        mask = batch["completion_mask"].bool()
+        pairs.append((trainer_logps[mask], batch["sampling_per_token_logps"][mask]))
+        return add(self, trainer_logps, batch)
+
+    monkeypatch.setattr(CBSyncGRPOTrainer, "_add_logprob_gap", recording)
+    peft_config = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    for correction in (True, False):
+        pairs.clear()
+        trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                    args=grpo_args(tmp_path, max_steps=2, per_device_train_batch_size=4,
+                                                   gradient_accumulation_steps=2, temperature=0.8),
+                                    train_dataset=dataset(), processing_class=tokenizer(), peft_config=peft_config,
+                                    importance_sampling_correction=correction,
+                                    cb_config=CBConfig(block_size=4, max_batch_tokens=16,
+                                                       batch_invariant=batch_invariant))
+        trainer.train()
+        peaks = logged(trainer, "sampling/sampling_logp_difference/max")   # TRL's own metric with the correction
+        assert len(peaks) == 2 and (peaks == [0.0, 0.0]) == batch_invariant and max(peaks) < 1e-3
+        if not correction:                          # the gap against the loss's own logprobs, with gradients
+            assert sum(t.numel() for t, _ in pairs) > 0
+            assert all(torch.equal(t, g) for t, g in pairs) == batch_invariant
+        else:
+            for stat in ("min", "mean", "max"):
+                ratios = logged(trainer, f"sampling/importance_sampling_ratio/{stat}")
+                assert len(ratios) == 2 and (ratios == [1.0, 1.0] or not batch_invariant)
+        assert all(g > 0 for g in logged(trainer, "grad_norm"))
+
+
+def test_batch_invariant_training_refuses_dropout(tmp_path):
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="lora_dropout=0"):
+        CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path),
+                          train_dataset=dataset(), processing_class=tokenizer(),
+                          peft_config=LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]),
+                          cb_config=CBConfig(batch_invariant=True))
+
+
 def test_grpo_with_already_wrapped_peft_model(tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
 

@@ -29,6 +29,7 @@ trainer refuses them with a ValueError. Use DDP or ZeRO-1/2, or TRL's vLLM backe
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from trl.extras.profiling import profiling_context
 
 from ..config import CBConfig
 from ..driver import SyncCBDriver
+from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
 from .transformers import sampling_params_from_generation_config
 
 __all__ = ["CBSyncGRPOTrainer"]
@@ -81,6 +83,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                              f"got {self.vllm_importance_sampling_mode!r}")
         # TRL's GenerationConfig for its transformers path already merges GRPOConfig and generation_kwargs.
         model = self.accelerator.unwrap_model(self.model)
+        if self.cb_config.batch_invariant:
+            _check_invariant_training(model)
         overrides = {"eos_token_id": list(self.eos_token_ids)}
         if self.max_completion_length is not None:
             overrides["max_new_tokens"] = self.max_completion_length
@@ -103,7 +107,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if images is not None or has_tool_images or any(k.startswith("pixel_values") for k in multimodal_fields):
             raise NotImplementedError("CBSyncGRPOTrainer generates from text prompts only")
         driver = self.cb_driver
-        with profiling_context(self, "cb_sync.generate"):
+        # batch-invariant: the rollout runs under the autocast state of the trainer's forward, as its logprobs must
+        autocast = self.accelerator.autocast() if self.cb_config.batch_invariant else contextlib.nullcontext()
+        with profiling_context(self, "cb_sync.generate"), autocast:
             results = driver.generate(prompt_ids, self._cb_params, progress_bar=bool(self.cb_config.progress_bar))
         return [r.token_ids for r in results], [r.logprobs for r in results]
 
@@ -113,6 +119,13 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         finally:
             if self.release_after_rollout and self._cb_driver is not None:
                 self._cb_driver.release(keep_graphs=True)
+
+    def training_step(self, *args, **kwargs):
+        if not self.cb_config.batch_invariant:
+            return super().training_step(*args, **kwargs)
+        # gradient checkpointing recomputes the forward during backward: there too through the invariant path
+        with invariant_training(self.accelerator.unwrap_model(self.model)):
+            return super().training_step(*args, **kwargs)
 
     @contextmanager
     def _importance_sampling_flags(self):
@@ -150,11 +163,31 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             self._gap_batch = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        compute = self._invariant_logps_and_entropies if self.cb_config.batch_invariant else \
+            super()._get_per_token_logps_and_entropies
+        out = compute(*args, **kwargs)
         batch, self._gap_batch = self._gap_batch, None
         if batch is not None:
             self._add_logprob_gap(out[0].detach(), batch)
         return out
+
+    def _invariant_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                       compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's `_get_per_token_logps_and_entropies` in batch-invariant mode: the logprobs of the generator's kernels
+        and op (`invariant_forward`), equal to the rollout's bit for bit; entropies from the same logits."""
+        if compute_aux_loss or any(value is not None for value in multimodal.values()):
+            raise NotImplementedError("batch-invariant mode scores text-only models without an MoE aux loss")
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            with self.accelerator.autocast():
+                logits = invariant_logits(model, ids, mask, logits_to_keep, self.cb_config.block_size)
+            logps.append(invariant_logprobs(logits, ids[:, -logits_to_keep:], self.temperature))
+            if compute_entropy:
+                log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+                entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _add_logprob_gap(self, trainer_logps: torch.Tensor, batch: dict) -> None:
         """Keep trainer - generator logprob over this batch's completion tokens, gathered over ranks, until `log`."""
@@ -180,3 +213,12 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
             metrics["sampling/ratio_outside_0.9_1.1"].append(outside.float().mean().item())
         super().log(logs, start_time)
+
+
+def _check_invariant_training(model: torch.nn.Module) -> None:
+    """Batch-invariant mode matches the training forward to the rollout's: no dropout may differ between them."""
+    dropouts = sorted({f"{type(m).__name__}(p={m.p})" for m in model.modules()
+                       if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    if dropouts:
+        raise ValueError("CBConfig(batch_invariant=True) needs a training forward without dropout (the rollout runs "
+                         f"none), got {', '.join(dropouts)}: set lora_dropout=0 (and the model's dropout to 0)")

@@ -1,0 +1,144 @@
+"""Batch-invariant mode, measured in one run on the Qwen3-4B shape + LoRA r32 (bf16, random weights):
+
+1. cost: decode tok/s of Workload T (prompts of 128 tokens, 256 new tokens, greedy) at each batch, CBConfig() (graphs,
+   LoRA kernels, uncompiled) against CBConfig(batch_invariant=True), the median of `--repeats` calls after a warm-up;
+2. mismatch: requests sampled at each temperature (with logprobs), scored again by a trainer-side forward of the same
+   weights in train mode, as TRL scores them: the default mode against HF's own forward (sdpa, log_softmax of
+   logits / T), the batch-invariant mode against `invariant_forward`; mean, p95, max |delta| per token and the share
+   of ratios outside [0.9, 1.1].
+    python -m benchmarks.batch_invariant [--batches 4 32 128] [--temperatures 1.0 0.1] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import build_model, markdown_table, write_results
+from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+from cb_sync.invariant_forward import invariant_logits, invariant_logprobs
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_rate(model, config: CBConfig, prompts, new_tokens: int, repeats: int, device: str) -> dict:
+    driver = SyncCBDriver(model, config)
+    params = SamplingParams(max_new_tokens=new_tokens)
+    driver.generate(prompts, params)
+    seconds = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        driver.generate(prompts, params)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    driver.release()
+    median = statistics.median(seconds)
+    return {"tok_s": round(len(prompts) * new_tokens / median, 1), "call_s": [round(s, 3) for s in seconds]}
+
+
+def _padded_batch(prompts, results):
+    """input_ids / attention_mask [B, P + C]: prompts left-padded, completions right-padded, as TRL lays them out."""
+    width, keep = max(map(len, prompts)), max(len(r.token_ids) for r in results)
+    ids = torch.zeros(len(prompts), width + keep, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        ids[i, width - len(prompt):width], mask[i, width - len(prompt):width] = torch.tensor(prompt), 1
+        ids[i, width:width + len(result.token_ids)] = torch.tensor(result.token_ids)
+        mask[i, width:width + len(result.token_ids)] = 1
+    return ids, mask, width, keep
+
+
+def trainer_logprobs(model, ids, mask, keep: int, temperature: float, invariant: bool, block_size: int):
+    """[B, keep] logprobs of the completion tokens from a train-mode forward without gradients."""
+    model.train()
+    try:
+        with torch.no_grad():
+            if invariant:
+                return invariant_logprobs(invariant_logits(model, ids, mask, keep, block_size), ids[:, -keep:],
+                                          temperature)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -keep - 1:-1]
+            logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+            return logps.gather(-1, ids[:, -keep:, None])[..., 0]
+    finally:
+        model.eval()
+
+
+def mismatch(model, config: CBConfig, prompts, new_tokens: int, temperature: float) -> dict:
+    params = [SamplingParams(max_new_tokens=new_tokens, do_sample=True, temperature=temperature, seed=i,
+                             logprobs=True) for i in range(len(prompts))]
+    driver = SyncCBDriver(model, config)
+    results = driver.generate(prompts, params)
+    driver.release()
+    device = next(model.parameters()).device
+    ids, mask, width, keep = _padded_batch(prompts, results)
+    trainer = trainer_logprobs(model, ids.to(device), mask.to(device), keep, temperature, config.batch_invariant,
+                               config.block_size).float().cpu()
+    deltas = torch.cat([trainer[i, :len(r.logprobs)] - torch.tensor(r.logprobs) for i, r in enumerate(results)])
+    gap = deltas.abs()
+    outside = (deltas > math.log(1.1)) | (deltas < math.log(0.9))
+    return {"tokens": gap.numel(), "gap_mean": gap.mean().item(), "gap_p95": torch.quantile(gap, 0.95).item(),
+            "gap_max": gap.max().item(), "ratio_outside": outside.float().mean().item(),
+            "bitwise_equal": bool((deltas == 0).all())}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.1])
+    parser.add_argument("--mismatch-requests", type=int, default=32)
+    parser.add_argument("--mismatch-tokens", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: the 2-layer shape in fp32")
+    parser.add_argument("--name", default="batch_invariant")
+    args = parser.parse_args(argv)
+    device = "cpu" if args.tiny else "cuda"
+    model = build_model(lora=True, tiny=args.tiny, device=device, dtype=torch.float32 if args.tiny else torch.bfloat16)
+    vocab = model.config.vocab_size
+    modes = {"default": lambda batch: CBConfig(max_batch_size=batch),
+             "batch_invariant": lambda batch: CBConfig(max_batch_size=batch, batch_invariant=True)}
+    rows = []
+    for batch in args.batches:
+        prompts = _prompts(batch, args.prompt_len, vocab, seed=batch)
+        rates = {mode: decode_rate(model, make(batch), prompts, args.new_tokens, args.repeats, device)
+                 for mode, make in modes.items()}
+        rows.append({"kind": "cost", "batch": batch, **{f"{m}_tok_s": r["tok_s"] for m, r in rates.items()},
+                     "ratio": round(rates["batch_invariant"]["tok_s"] / rates["default"]["tok_s"], 3),
+                     "calls": rates})
+        print(rows[-1], flush=True)
+    prompts = [p[:n] for p, n in zip(_prompts(args.mismatch_requests, args.prompt_len, vocab, seed=7),
+                                     torch.randint(16, args.prompt_len + 1, (args.mismatch_requests,),
+                                                   generator=torch.Generator().manual_seed(8)).tolist())]
+    for temperature in args.temperatures:
+        for mode, make in modes.items():
+            rows.append({"kind": "mismatch", "mode": mode, "temperature": temperature,
+                         **mismatch(model, make(len(prompts)), prompts, args.mismatch_tokens, temperature)})
+            print(rows[-1], flush=True)
+    cost = [r for r in rows if r["kind"] == "cost"]
+    gaps = [r for r in rows if r["kind"] == "mismatch"]
+    table = markdown_table(["batch", "default tok/s", "batch_invariant tok/s", "invariant / default"],
+                           [[r["batch"], r["default_tok_s"], r["batch_invariant_tok_s"], r["ratio"]] for r in cost])
+    table += "\n" + markdown_table(
+        ["temperature", "mode", "tokens", "mean |delta|", "p95", "max", "ratio outside [0.9, 1.1]", "bit-equal"],
+        [[r["temperature"], r["mode"], r["tokens"], f"{r['gap_mean']:.3g}", f"{r['gap_p95']:.3g}",
+          f"{r['gap_max']:.3g}", f"{r['ratio_outside']:.2%}", r["bitwise_equal"]] for r in gaps])
+    write_results(args.name, rows, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

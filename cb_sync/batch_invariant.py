@@ -1,0 +1,77 @@
+"""Batch-invariant execution (`CBConfig(batch_invariant=True)`): a row's result depends on that row alone, not on how
+many rows share the call or where the row sits among them.
+
+torch picks its kernels by shape (cuBLAS's GEMM and split-K choices, the reduction kernels' splits, the CPU's blocking
+and threading), so one token computed among 4 rows and among 2,560 goes through different reduction orders and comes
+out with different bits. Inside `invariant_ops()`, linear layers and reductions over the last dimension (mean,
+softmax, log_softmax, cumsum) run over blocks of exactly ROWS rows, the last one padded with zeros: every call has
+one shape whatever the batch. Elementwise ops are row-invariant already, and max / argmax / top-k are exact.
+Attention has its own row-invariant path (`attention.invariant`).
+
+The cost: rows below ROWS are padded (memory-bound decode steps read the weights once either way) and a large batch
+takes one call per ROWS rows."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ROWS = 64    # rows per call of every invariant op
+
+_LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
+_REDUCTIONS = {torch.mean, torch.Tensor.mean, torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax,
+               torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax, torch.cumsum,
+               torch.Tensor.cumsum}   # over the last dimension
+
+
+def in_row_blocks(rows: torch.Tensor, fn) -> torch.Tensor:
+    """fn over rows [M, ...] in blocks of ROWS rows (the last padded with zeros), results concatenated: fn sees one
+    shape for every M. fn must compute each row from that row alone."""
+    m = rows.shape[0]
+    padding = -m % ROWS
+    if padding:
+        rows = torch.cat([rows, rows.new_zeros(padding, *rows.shape[1:])])
+    outs = [fn(block) for block in rows.split(ROWS)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:m] if padding else out
+
+
+def _last_dim(dim, ndim: int) -> bool:
+    if isinstance(dim, (tuple, list)):
+        dim = dim[0] if len(dim) == 1 else None
+    return isinstance(dim, int) and dim % ndim == ndim - 1
+
+
+def _linear(x, weight, bias=None):
+    rows = x.reshape(-1, x.shape[-1])
+    out = in_row_blocks(rows, lambda block: torch.nn.functional.linear(block, weight, bias))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _over_last_dim(func, x, args, kwargs):
+    """func(x, dim, ...) with dim the last one, over x's rows flattened to [M, last]."""
+    if args:
+        args = (-1, *args[1:])
+    else:
+        kwargs = {**kwargs, "dim": -1}
+    rows = x.reshape(-1, x.shape[-1])
+    out = in_row_blocks(rows, lambda block: func(block, *args, **kwargs))
+    return out.view(*x.shape[:-1], *out.shape[1:])
+
+
+class _InvariantOps(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LINEAR:
+            return _linear(*args, **kwargs)
+        if func in _REDUCTIONS and args and isinstance(args[0], torch.Tensor) and args[0].ndim >= 2:
+            x, rest = args[0], args[1:]
+            dim = rest[0] if rest else kwargs.get("dim")
+            if dim is not None and _last_dim(dim, x.ndim):
+                return _over_last_dim(func, x, rest, kwargs)
+        return func(*args, **kwargs)
+
+
+def invariant_ops():
+    """Within the block, linear layers and last-dimension reductions run batch-invariantly (see the module)."""
+    return _InvariantOps()

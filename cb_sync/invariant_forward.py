@@ -1,0 +1,63 @@
+"""The trainer's side of batch-invariant mode: per-token logprobs of full sequences that equal, bit for bit, the
+logprobs `SyncCBDriver` returned when it sampled them with `CBConfig(batch_invariant=True)`.
+
+The model runs its own forward (with gradients) under `batch_invariant.invariant_ops()`, its attention through the
+generator's row-invariant kernel (`attention.invariant_training`) at the tokens' own positions (padding removed), and
+the logprobs come from the sampler's op over logits / temperature."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .attention.invariant_training import INVARIANT_IMPLEMENTATION, positions_from_mask
+from .batch_invariant import invariant_ops
+from .patching import base_model, forwards_swapped, module_list
+from .sampling import chosen_logprobs
+
+
+@contextmanager
+def invariant_training(model: torch.nn.Module):
+    """Within the block, the model's forwards (with the cb_positions / cb_block_size kwargs of `invariant_logits`)
+    run batch-invariantly: also a forward recomputed by gradient checkpointing during backward, which must save what
+    the first one saved. The attention implementation is restored after."""
+    config = base_model(model).config
+    previous = config._attn_implementation
+    config._attn_implementation = INVARIANT_IMPLEMENTATION
+    # backward runs outside any torch function mode, so the modules that gradient checkpointing recomputes enter it
+    # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
+    leaves = [m for m in module_list(model) if not m._modules]
+    try:
+        with forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops():
+            yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _in_invariant_ops(forward):
+    def wrapped(*args, **kwargs):
+        with invariant_ops():
+            return forward(*args, **kwargs)
+    return wrapped
+
+
+def invariant_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     logits_to_keep: int, block_size: int) -> torch.Tensor:
+    """Logits [B, logits_to_keep, V] predicting the last logits_to_keep tokens of each row, batch-invariantly
+    (input_ids / attention_mask [B, T], left- or right-padded; block_size: the generator's CBConfig.block_size)."""
+    positions = positions_from_mask(attention_mask)
+    with invariant_training(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.clamp(min=0),
+                       cb_positions=positions, cb_block_size=block_size, logits_to_keep=logits_to_keep + 1,
+                       use_cache=False).logits
+    return logits[:, :-1]
+
+
+def invariant_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, L] logprobs of tokens [B, L] under log_softmax(logits [B, L, V] / temperature), as the sampler computes
+    them (a temperature column in fp32, the log_softmax in invariant row blocks)."""
+    rows = logits.reshape(-1, logits.shape[-1]).float()
+    scaled = rows / torch.full((rows.shape[0], 1), temperature, dtype=torch.float32, device=rows.device)
+    with invariant_ops():
+        return chosen_logprobs(scaled, tokens.reshape(-1)).view(tokens.shape)

@@ -1,0 +1,156 @@
+"""CBConfig(batch_invariant=True): a request's tokens and logprobs are bit-identical alone and inside any batch, with
+chunked prefill, preemption and graph replay; a trainer's forward gives the generator's logprobs bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+from cb_sync.attention import invariant, sdpa_paged
+from cb_sync.attention.invariant_training import _plain_attention, invariant_attention_forward, positions_from_mask
+from cb_sync.attention.metadata import AttnMetadata
+from cb_sync.batch_invariant import ROWS, invariant_ops
+from cb_sync.invariant_forward import invariant_logits, invariant_logprobs
+
+from conftest import make_model, random_prompts
+
+F = torch.nn.functional
+
+
+def test_invariant_ops_give_a_row_the_same_bits_in_any_batch():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * ROWS + 9, 96, generator=gen)
+    w, b = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
+    ops = {"linear": lambda t: F.linear(t, w, b), "mean": lambda t: t.pow(2).mean(-1, keepdim=True),
+           "mean_3d": lambda t: t.view(t.shape[0], 4, 24).mean(dim=2), "log_softmax": lambda t: t.log_softmax(-1),
+           "softmax": lambda t: F.softmax(t, dim=-1), "cumsum": lambda t: torch.cumsum(t, dim=1)}
+    with invariant_ops():
+        for name, op in ops.items():
+            full = op(x)
+            for start, stop in ((0, 1), (5, 9), (ROWS - 3, ROWS + 40), (17, 3 * ROWS + 9)):
+                assert torch.equal(op(x[start:stop]), full[start:stop]), (name, start, stop)
+            assert torch.equal(op(x[:0]), full[:0])
+
+
+def _mixed_metadata(cache_shape, lengths, q_lens, gen):
+    """A step of requests with context lengths `lengths`, the last q_lens of each queried, blocks shuffled."""
+    num_blocks, block_size = cache_shape[:2]
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, used = torch.zeros(len(lengths), num_blocks, dtype=torch.int32), 0
+    for r, n in enumerate(lengths):
+        count = -(-n // block_size)
+        tables[r, :count] = order[used:used + count]
+        used += count
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttnMetadata(torch.full((sum(q_lens),), -1, dtype=torch.int64), tables,
+                        torch.tensor(lengths, dtype=torch.int32), starts, max(q_lens), max(lengths), [], [],
+                        invariant)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 8.0)])
+def test_row_attention_matches_the_reference_and_is_row_invariant(window, softcap):
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 80, 4, 2, 16, generator=gen)
+    lengths, q_lens = [70, 1, 33, 130, 5], [1, 1, 12, 1, 5]
+    meta = _mixed_metadata(k_cache.shape, lengths, q_lens, gen)
+    query = torch.randn(sum(q_lens), 4, 16, generator=gen)
+    args = (k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+            meta.max_seq_len, 0.25, window, softcap)
+    expected = sdpa_paged.paged_attention(query, *args)
+    token_req = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(q_lens))
+    row = torch.arange(len(query)) - meta.query_start_loc[token_req]
+    positions = meta.seq_lens[token_req] - torch.tensor(q_lens)[token_req] + row
+    tables = meta.block_tables[token_req]
+    out = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25, window, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # each row alone, and the rows in reverse order among padding rows, give the same bits
+    for i in range(len(query)):
+        blocks = int(positions[i]) // k_cache.shape[1] + 1               # its own context's blocks only
+        alone = invariant.row_attention(query[i:i + 1], k_cache, v_cache, tables[i:i + 1, :blocks],
+                                        positions[i:i + 1], 0.25, window, softcap)
+        assert torch.equal(alone[0], out[i])
+    flipped = invariant.row_attention(query.flip(0), k_cache, v_cache, tables.flip(0), positions.flip(0), 0.25,
+                                      window, softcap)
+    assert torch.equal(flipped.flip(0), out)
+
+
+def _seeded(seed=11, **extra):
+    return SamplingParams(max_new_tokens=24, do_sample=True, temperature=0.9, seed=seed, logprobs=True, **extra)
+
+
+@pytest.mark.parametrize("static_decode", [None, True])
+@pytest.mark.parametrize("params", [_seeded(), _seeded(top_p=0.8, top_k=20), SamplingParams(max_new_tokens=24,
+                                                                                             logprobs=True)],
+                         ids=["sample", "filtered", "greedy"])
+def test_a_request_is_bit_identical_alone_and_in_any_batch(static_decode, params):
+    """Alone against inside a batch with other samplers, chunked prefill (a token budget of 16), more requests than
+    slots, and a cache small enough to preempt: same tokens, same logprobs, bit for bit; eager against replayed
+    decode steps (static_decode=True runs the graph path's static buffers, uncaptured on the CPU)."""
+    model = make_model("qwen3", lora=True)
+    target = random_prompts([37], seed=4)[0]
+    alone = SyncCBDriver(model, CBConfig(batch_invariant=True), static_decode=static_decode).generate([target],
+                                                                                                       params)[0]
+    others = random_prompts([5, 60, 23, 90, 14, 41, 8], seed=5)
+    preempted = []
+    driver = SyncCBDriver(model, CBConfig(batch_invariant=True, block_size=8, num_blocks=16, max_batch_tokens=16,
+                                          max_batch_size=4), static_decode=static_decode,
+                          observer=lambda step: preempted.extend(c.request.num_preemptions for c in step.plan))
+    mixed = [_seeded(seed=i) for i in range(3)] + [params] + [SamplingParams(max_new_tokens=20, logprobs=True)] * 4
+    results = driver.generate(others[:3] + [target] + others[3:], mixed)
+    assert max(preempted) > 0
+    assert results[3].token_ids == alone.token_ids and results[3].logprobs == alone.logprobs
+    other = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16),
+                         static_decode=not static_decode).generate([target], params)[0]
+    assert other.token_ids == alone.token_ids and other.logprobs == alone.logprobs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2"])
+def test_trainer_forward_gives_the_generators_logprobs_bit_for_bit(arch):
+    """The sampled completions scored by a full-sequence forward (left-padded prompts, right-padded completions,
+    train mode, with gradients): the generator's logprobs exactly; the logits close to HF's own forward."""
+    model = make_model(arch, lora=arch == "qwen3")
+    prompts = random_prompts([5, 19, 11, 30], seed=3)
+    lengths = [12, 7, 12, 9]
+    params = [SamplingParams(max_new_tokens=n, do_sample=True, temperature=0.7, seed=i, logprobs=True)
+              for i, n in enumerate(lengths)]
+    results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16)).generate(prompts, params)
+    width, keep = max(map(len, prompts)), max(lengths)
+    ids = torch.zeros(len(prompts), width + keep, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        ids[i, width - len(prompt):width], mask[i, width - len(prompt):width] = torch.tensor(prompt), 1
+        ids[i, width:width + len(result.token_ids)] = torch.tensor(result.token_ids)
+        mask[i, width:width + len(result.token_ids)] = 1
+    model.train()
+    logits = invariant_logits(model, ids, mask, keep, block_size=16)
+    logprobs = invariant_logprobs(logits, ids[:, width:], 0.7)
+    for i, result in enumerate(results):
+        assert torch.equal(logprobs[i, :len(result.logprobs)], torch.tensor(result.logprobs, dtype=torch.float32))
+    positions = positions_from_mask(mask)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp(min=0)).logits[:, -keep - 1:-1]
+    real = mask[:, width:].bool()
+    torch.testing.assert_close(logits[real], plain[real], rtol=1e-4, atol=1e-4)
+    logprobs[real].sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_training_attention_backward_is_plain_attentions():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 10, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    positions = positions_from_mask(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 7 + [0] * 3]))
+    out, _ = invariant_attention_forward(None, q, k, v, None, 0.3, cb_positions=positions, cb_block_size=4)
+    expected = _plain_attention(q, k, v, positions, 0.3, None, None)
+    real = positions >= 0
+    torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-6)
+    grad = torch.randn(out.shape, generator=gen) * real[..., None, None]
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        assert torch.equal(got, want)
+
+
+def test_batch_invariant_refuses_compile_and_other_backends():
+    with pytest.raises(ValueError, match="batch_invariant=True"):
+        CBConfig(batch_invariant=True, compile=True)
+    with pytest.raises(ValueError, match="attn_backend='auto'"):
+        CBConfig(batch_invariant=True, attn_backend="triton")
