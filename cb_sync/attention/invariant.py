@@ -90,7 +90,11 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      v_cache: torch.Tensor, meta: AttnMetadata, scale: float, sliding_window: int | None = None,
                      softcap: float | None = None) -> torch.Tensor:
     """The backend entry point: store the step's K/V at meta's slots, then each row over its request's context."""
-    store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    if k_cache.is_cuda:                 # a kernel with no host synchronisation: decode steps are captured
+        from .triton_kernels import store_kv as store_kv_on_device
+        store_kv_on_device(key, value, k_cache, v_cache, meta.slot_mapping)
+    else:
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_reqs = query.shape[0], meta.seq_lens.numel()
     q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
     token_req = torch.repeat_interleave(torch.arange(num_reqs, device=query.device), q_lens, output_size=num_tokens)
