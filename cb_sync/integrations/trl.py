@@ -22,6 +22,11 @@ these logprobs (configured by GRPOConfig's `vllm_importance_sampling_*` fields),
 flags are set for the duration of `_generate_and_score_completions` and `_compute_loss` only (no vLLM object is made or
 reached, and the weight-sync counter is kept current).
 
+With `cb_config=CBConfig(batch_invariant=True)` the rollouts and the trainer's own forwards (loss, old and reference
+logps; also a forward recomputed by gradient checkpointing) run batch-invariantly (`invariant_forward`): the
+generator's logprobs equal the trainer's bit for bit, so the gap is exactly 0 and every importance ratio exactly 1.
+The rollout then runs under the trainer's autocast state, and the trained model may hold no dropout (ValueError).
+
 Several processes (accelerate, DDP): every rank keeps its own driver on its own replica and generates its own slice of
 the prompts; TRL seeds each process differently, so ranks do not duplicate samples; nothing is gathered for generation.
 ZeRO-3 and FSDP shard parameters, so a rank does not hold the weights the driver (and its graphs) would run on: the
@@ -49,7 +54,7 @@ __all__ = ["CBSyncGRPOTrainer"]
 class CBSyncGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with cb_sync rollouts. Takes GRPOTrainer's arguments, plus (keyword-only):
 
-    cb_config: engine settings of the driver (CBConfig()).
+    cb_config: engine settings of the driver (CBConfig()); with batch_invariant=True the trainer's forwards too.
     release_after_rollout: free the KV cache after every rollout so the training step gets the memory (True).
     importance_sampling_correction: apply TRL's importance-sampling correction with the generator's logprobs (False;
         the generator runs the trained weights, so the ratio is close to 1 up to kernel numerics).
