@@ -49,7 +49,7 @@ def decode_rate(model, config: CBConfig, prompts, new_tokens: int, repeats: int,
     return {"tok_s": round(len(prompts) * new_tokens / median, 1), "call_s": [round(s, 3) for s in seconds]}
 
 
-def _padded_batch(prompts, results):
+def padded_batch(prompts, results):
     """input_ids / attention_mask [B, P + C]: prompts left-padded, completions right-padded, as TRL lays them out."""
     width, keep = max(map(len, prompts)), max(len(r.token_ids) for r in results)
     ids = torch.zeros(len(prompts), width + keep, dtype=torch.long)
@@ -83,7 +83,7 @@ def mismatch(model, config: CBConfig, prompts, new_tokens: int, temperature: flo
     results = driver.generate(prompts, params)
     driver.release()
     device = next(model.parameters()).device
-    ids, mask, width, keep = _padded_batch(prompts, results)
+    ids, mask, width, keep = padded_batch(prompts, results)
     trainer = trainer_logprobs(model, ids.to(device), mask.to(device), keep, temperature, config.batch_invariant,
                                config.block_size).float().cpu()
     deltas = torch.cat([trainer[i, :len(r.logprobs)] - torch.tensor(r.logprobs) for i, r in enumerate(results)])

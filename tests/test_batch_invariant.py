@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.batch_invariant import padded_batch
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import invariant, sdpa_paged
 from cb_sync.attention.invariant_training import _plain_attention, invariant_attention_forward, positions_from_mask
@@ -115,13 +116,8 @@ def test_trainer_forward_gives_the_generators_logprobs_bit_for_bit(arch):
     params = [SamplingParams(max_new_tokens=n, do_sample=True, temperature=0.7, seed=i, logprobs=True)
               for i, n in enumerate(lengths)]
     results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16)).generate(prompts, params)
-    width, keep = max(map(len, prompts)), max(lengths)
-    ids = torch.zeros(len(prompts), width + keep, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (prompt, result) in enumerate(zip(prompts, results)):
-        ids[i, width - len(prompt):width], mask[i, width - len(prompt):width] = torch.tensor(prompt), 1
-        ids[i, width:width + len(result.token_ids)] = torch.tensor(result.token_ids)
-        mask[i, width:width + len(result.token_ids)] = 1
+    ids, mask, width, keep = padded_batch(prompts, results)
+    assert keep == max(lengths)
     model.train()
     logits = invariant_logits(model, ids, mask, keep, block_size=16)
     logprobs = invariant_logprobs(logits, ids[:, width:], 0.7)

@@ -240,6 +240,7 @@ def test_batch_invariant_mode_on_the_4b_shape():
     """Qwen3-4B shape + LoRA r32, bf16, CBConfig(batch_invariant=True): a seeded request gives the same tokens and
     logprobs alone and inside a batch of 31 others (chunked prefill, replayed decode graphs), bit for bit, and a
     train-mode full-sequence forward of the batch (left-padded) gives the generator's logprobs bit for bit."""
+    from benchmarks.batch_invariant import padded_batch
     from benchmarks.common import build_model
     from cb_sync.invariant_forward import invariant_logits, invariant_logprobs
 
@@ -253,13 +254,7 @@ def test_batch_invariant_mode_on_the_4b_shape():
     batch = SyncCBDriver(model, config).generate(prompts, params)
     alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([prompts[5]], params[5])[0]
     assert alone.token_ids == batch[5].token_ids and alone.logprobs == batch[5].logprobs
-    width = max(map(len, prompts))
-    ids = torch.zeros(32, width + 48, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (prompt, result) in enumerate(zip(prompts, batch)):
-        ids[i, width - len(prompt):width], mask[i, width - len(prompt):width] = torch.tensor(prompt), 1
-        ids[i, width:] = torch.tensor(result.token_ids)
-        mask[i, width:] = 1
+    ids, mask, width, _ = padded_batch(prompts, batch)
     model.train()
     with torch.no_grad():
         logits = invariant_logits(model, ids.cuda(), mask.cuda(), 48, config.block_size)
