@@ -3,10 +3,12 @@ many rows share the call or where the row sits among them.
 
 torch picks its kernels by shape (cuBLAS's GEMM and split-K choices, the reduction kernels' splits, the CPU's blocking
 and threading), so one token computed among 4 rows and among 2,560 goes through different reduction orders and comes
-out with different bits. Inside `invariant_ops()`, linear layers and reductions over the last dimension (mean,
-softmax, log_softmax, cumsum) run over blocks of exactly ROWS rows, the last one padded with zeros: every call has
-one shape whatever the batch. Elementwise ops are row-invariant already, and max / argmax / top-k are exact.
-Attention has its own row-invariant path (`attention.invariant`).
+out with different bits. Inside `invariant_ops()`, linear layers, layer / RMS norms and reductions over the last
+dimension (mean, softmax, log_softmax, cumsum) run over blocks of exactly ROWS rows, the last one padded with zeros:
+every call has one shape whatever the batch. max / argmax / top-k are exact, and elementwise ops compute each element
+alone (on the CPU, a tensor's last few elements may take a scalar path that rounds transcendental functions
+differently from the vector one: row widths that are multiples of 16, as every model's are, keep rows out of it).
+Attention has its own row-invariant path (`attention.invariant`); `check_model` refuses layers this does not cover.
 
 The cost: rows below ROWS are padded (memory-bound decode steps read the weights once either way) and a large batch
 takes one call per ROWS rows."""
@@ -19,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 ROWS = 64    # rows per call of every invariant op
 
 _LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
+_NORMS = {torch.nn.functional.layer_norm, torch.nn.functional.rms_norm}
 _REDUCTIONS = {torch.mean, torch.Tensor.mean, torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax,
                torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax, torch.cumsum,
                torch.Tensor.cumsum}   # over the last dimension
@@ -42,10 +45,16 @@ def _last_dim(dim, ndim: int) -> bool:
     return isinstance(dim, int) and dim % ndim == ndim - 1
 
 
-def _linear(x, weight, bias=None):
-    rows = x.reshape(-1, x.shape[-1])
+def _linear(input, weight, bias=None):
+    rows = input.reshape(-1, input.shape[-1])
     out = in_row_blocks(rows, lambda block: torch.nn.functional.linear(block, weight, bias))
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return out.view(*input.shape[:-1], out.shape[-1])
+
+
+def _norm(func, input, normalized_shape, *args, **kwargs):
+    """layer_norm / rms_norm over the last dimension, in row blocks."""
+    rows = input.reshape(-1, input.shape[-1])
+    return in_row_blocks(rows, lambda block: func(block, normalized_shape, *args, **kwargs)).view(input.shape)
 
 
 def _over_last_dim(func, x, args, kwargs):
@@ -64,6 +73,8 @@ class _InvariantOps(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _LINEAR:
             return _linear(*args, **kwargs)
+        if func in _NORMS and args and args[0].ndim >= 2 and len(args[1]) == 1:
+            return _norm(func, *args, **kwargs)
         if func in _REDUCTIONS and args and isinstance(args[0], torch.Tensor) and args[0].ndim >= 2:
             x, rest = args[0], args[1:]
             dim = rest[0] if rest else kwargs.get("dim")
@@ -75,3 +86,13 @@ class _InvariantOps(TorchFunctionMode):
 def invariant_ops():
     """Within the block, linear layers and last-dimension reductions run batch-invariantly (see the module)."""
     return _InvariantOps()
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """ValueError for layers whose products `invariant_ops` does not run in row blocks: GPT-2-style Conv1D (addmm)
+    and expert weights of three or more dimensions (batched matmuls of mixture-of-experts layers)."""
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.ndim >= 3]
+        if type(module).__name__ == "Conv1D" or (params and not isinstance(module, torch.nn.modules.conv._ConvNd)):
+            raise ValueError(f"batch_invariant=True covers linear layers, not {type(module).__name__} ({name}): "
+                             "its products would depend on the batch")

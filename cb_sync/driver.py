@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .attention import invariant, sdpa_paged, select_backend
-from .batch_invariant import invariant_ops
+from .batch_invariant import check_model, invariant_ops
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
 from .graphs import decode_buckets
@@ -42,6 +42,8 @@ class SyncCBDriver:
         self.observer = observer
         self.static_decode = static_decode
         check_supported(model)
+        if self.config.batch_invariant:
+            check_model(model)
         self._bind()
         if self.config.compile and self.runner.replay is None:
             warnings.warn(f"CBConfig(compile=True) is ignored on {self.device.type} with attn_backend="

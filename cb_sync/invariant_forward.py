@@ -17,18 +17,30 @@ from .patching import base_model, forwards_swapped, module_list
 from .sampling import chosen_logprobs
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP / DataParallel and torch.compile wrappers (a trainer may hand its wrapped model)."""
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
 @contextmanager
 def invariant_training(model: torch.nn.Module):
     """Within the block, the model's forwards (with the cb_positions / cb_block_size kwargs of `invariant_logits`)
     run batch-invariantly: also a forward recomputed by gradient checkpointing during backward, which must save what
-    the first one saved. The attention implementation is restored after."""
+    the first one saved. The attention implementation is restored after (model may be wrapped, e.g. in DDP)."""
+    model = unwrapped(model)
     config = base_model(model).config
     previous = config._attn_implementation
-    config._attn_implementation = INVARIANT_IMPLEMENTATION
-    # backward runs outside any torch function mode, so the modules that gradient checkpointing recomputes enter it
-    # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
-    leaves = [m for m in module_list(model) if not m._modules]
     try:
+        config._attn_implementation = INVARIANT_IMPLEMENTATION
+        # backward runs outside any torch function mode, so the modules gradient checkpointing recomputes enter it
+        # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
+        leaves = [m for m in module_list(model) if not m._modules]
         with forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops():
             yield
     finally:

@@ -132,17 +132,55 @@ def test_trainer_forward_gives_the_generators_logprobs_bit_for_bit(arch):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
-def test_training_attention_backward_is_plain_attentions():
+def test_training_attention_matches_sdpa_forward_and_backward():
+    """Against torch's SDPA with the same mask (an independent reference): outputs close, gradients close."""
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, h, 10, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
     positions = positions_from_mask(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 7 + [0] * 3]))
     out, _ = invariant_attention_forward(None, q, k, v, None, 0.3, cb_positions=positions, cb_block_size=4)
-    expected = _plain_attention(q, k, v, positions, 0.3, None, None)
+    allowed = (positions[:, None, None, :] <= positions[:, None, :, None]) & (positions[:, None, None, :] >= 0)
+    allowed |= (positions < 0)[:, None, :, None]                  # padded queries: any keys (their rows are dropped)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              attn_mask=allowed, scale=0.3).transpose(1, 2)
     real = positions >= 0
     torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-6)
     grad = torch.randn(out.shape, generator=gen) * real[..., None, None]
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
-        assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_stays_fp32_under_autocast():
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 8, 4, 2, 16, generator=gen)
+    query, tables, positions = torch.randn(3, 4, 16, generator=gen), torch.arange(8).repeat(3, 1), torch.tensor(
+        [5, 17, 30])
+    plain = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25)
+    assert torch.equal(plain, autocast)
+
+
+def test_trainer_forward_of_a_ddp_wrapped_model(tmp_path):
+    """A trainer hands its DDP-wrapped model: the forward unwraps it for its settings and calls the wrapper."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        model = make_model("llama")
+        ids = torch.tensor(random_prompts([12, 12], seed=6))
+        mask = torch.ones_like(ids)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        torch.testing.assert_close(invariant_logits(wrapped, ids, mask, 4, 16), invariant_logits(model, ids, mask, 4,
+                                                                                                  16), rtol=0, atol=0)
+        assert model.config._attn_implementation == "sdpa"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_invariant_refuses_layers_it_does_not_cover():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(ValueError, match="Conv1D"):
+        SyncCBDriver(gpt2, CBConfig(batch_invariant=True))
 
 
 def test_batch_invariant_refuses_compile_and_other_backends():

@@ -273,11 +273,16 @@ def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, b
 def test_batch_invariant_training_refuses_dropout(tmp_path):
     from peft import LoraConfig
 
-    with pytest.raises(ValueError, match="lora_dropout=0"):
+    with pytest.raises(ValueError, match=r"Dropout\(p=0.1\): set lora_dropout=0"):
         CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path),
                           train_dataset=dataset(), processing_class=tokenizer(),
                           peft_config=LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]),
                           cb_config=CBConfig(batch_invariant=True))
+    model = tiny_model()
+    model.config.attention_dropout = 0.1         # a rate the model's forward applies through F.dropout
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        CBSyncGRPOTrainer(model=model, reward_funcs=even_fraction, args=grpo_args(tmp_path), train_dataset=dataset(),
+                          processing_class=tokenizer(), cb_config=CBConfig(batch_invariant=True))
 
 
 def test_grpo_with_already_wrapped_peft_model(tmp_path, monkeypatch):

@@ -20,7 +20,8 @@ KEYS_PER_BLOCK = 64       # key positions per online-softmax block (whole cache 
 
 
 def key_block_pages(block_size: int) -> int:
-    """Cache blocks per key block: KEYS_PER_BLOCK positions, or one cache block where that is larger."""
+    """Cache blocks per key block: KEYS_PER_BLOCK // block_size, at least one (the generator and a trainer share
+    the block size, so they share the key blocks)."""
     return max(1, KEYS_PER_BLOCK // block_size)
 
 
@@ -30,8 +31,7 @@ def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """query [T, Hq, D]; row_blocks [T, W]: each row's context blocks in order; row_positions [T]: the row's position
     p (it sees keys 0..p, within the window); -1 marks a padded row (zeros out). Returns [T, Hq, D] in query's dtype."""
     num_rows, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    pages = key_block_pages(block_size)
+    pages = key_block_pages(k_cache.shape[1])
     width = -(-row_blocks.shape[1] // pages) * pages
     if width != row_blocks.shape[1]:
         row_blocks = torch.nn.functional.pad(row_blocks, (0, width - row_blocks.shape[1]))
@@ -48,7 +48,13 @@ def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _attend_block(query, k_cache, v_cache, row_blocks, positions, pages, scale, sliding_window, softcap):
-    """ROWS rows over their key blocks, in order."""
+    """ROWS rows over their key blocks, in order, in fp32 (autocast off)."""
+    with torch.autocast(query.device.type, enabled=False):
+        return _attend_block_fp32(query, k_cache, v_cache, row_blocks, positions, pages, scale, sliding_window,
+                                  softcap)
+
+
+def _attend_block_fp32(query, k_cache, v_cache, row_blocks, positions, pages, scale, sliding_window, softcap):
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
     keys_per_block = pages * block_size

@@ -39,7 +39,12 @@ def _paged(key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, bloc
 
 
 def _plain_attention(query, key, value, positions, scale, sliding_window, softcap):
-    """Masked attention of [B, Hq, T, D] over [B, Hkv, T, D] in fp32, differentiable: [B, T, Hq, D]."""
+    """Masked attention of [B, Hq, T, D] over [B, Hkv, T, D] in fp32 (autocast off), differentiable: [B, T, Hq, D]."""
+    with torch.autocast(query.device.type, enabled=False):
+        return _plain_attention_fp32(query, key, value, positions, scale, sliding_window, softcap)
+
+
+def _plain_attention_fp32(query, key, value, positions, scale, sliding_window, softcap):
     group = query.shape[1] // key.shape[1]
     keys, values = key.repeat_interleave(group, 1).float(), value.repeat_interleave(group, 1).float()
     scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale

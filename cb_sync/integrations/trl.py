@@ -43,8 +43,10 @@ import torch
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
+from ..batch_invariant import check_model
 from ..config import CBConfig
 from ..driver import SyncCBDriver
+from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
 from .transformers import sampling_params_from_generation_config
 
@@ -221,9 +223,14 @@ class CBSyncGRPOTrainer(GRPOTrainer):
 
 
 def _check_invariant_training(model: torch.nn.Module) -> None:
-    """Batch-invariant mode matches the training forward to the rollout's: no dropout may differ between them."""
+    """Batch-invariant mode matches the training forward to the rollout's: layers it covers (`check_model`), and no
+    dropout that would differ between them."""
+    check_model(model)
     dropouts = sorted({f"{type(m).__name__}(p={m.p})" for m in model.modules()
                        if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    config = base_model(model).config.get_text_config()   # models that call F.dropout with their config's rates
+    dropouts += sorted(f"{key}={value}" for key, value in config.to_dict().items()
+                       if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0)
     if dropouts:
         raise ValueError("CBConfig(batch_invariant=True) needs a training forward without dropout (the rollout runs "
                          f"none), got {', '.join(dropouts)}: set lora_dropout=0 (and the model's dropout to 0)")
