@@ -68,8 +68,26 @@ def invariant_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_
 
 def invariant_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """[B, L] logprobs of tokens [B, L] under log_softmax(logits [B, L, V] / temperature), as the sampler computes
-    them (a temperature column in fp32, the log_softmax in invariant row blocks)."""
-    rows = logits.reshape(-1, logits.shape[-1]).float()
-    scaled = rows / torch.full((rows.shape[0], 1), temperature, dtype=torch.float32, device=rows.device)
-    with invariant_ops():
-        return chosen_logprobs(scaled, tokens.reshape(-1)).view(tokens.shape)
+    them (a temperature column in fp32, the log_softmax in invariant row blocks). Differentiable; for backward it keeps
+    the logits alone, not fp32 copies of [rows, vocab] (`_ChosenLogprobs`)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    temperatures = torch.full((rows.shape[0], 1), temperature, dtype=torch.float32, device=rows.device)
+    return _ChosenLogprobs.apply(rows, tokens.reshape(-1), temperatures).view(tokens.shape)
+
+
+class _ChosenLogprobs(torch.autograd.Function):
+    """chosen_logprobs(rows.float() / temperatures, tokens), its gradient (onehot - softmax) / temperature
+    recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, rows, tokens, temperatures):
+        ctx.save_for_backward(rows, tokens, temperatures)
+        with invariant_ops():
+            return chosen_logprobs(rows.float() / temperatures, tokens)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, tokens, temperatures = ctx.saved_tensors
+        grad_scaled = torch.softmax(rows.float() / temperatures, dim=-1).mul_(-grad[:, None])
+        grad_scaled.scatter_add_(1, tokens[:, None], grad[:, None])
+        return grad_scaled.div_(temperatures).to(rows.dtype), None, None

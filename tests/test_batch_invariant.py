@@ -149,6 +149,19 @@ def test_training_attention_matches_sdpa_forward_and_backward():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_invariant_logprobs_gradient_is_autograds():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 70, generator=gen, requires_grad=True)
+    tokens = torch.randint(0, 70, (3, 5), generator=gen)
+    weights = torch.randn(3, 5, generator=gen)
+    (invariant_logprobs(logits, tokens, 0.7) * weights).sum().backward()
+    reference = logits.detach().clone().requires_grad_()
+    logps = torch.log_softmax(reference / 0.7, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    (logps * weights).sum().backward()
+    torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(invariant_logprobs(logits, tokens, 0.7), logps, rtol=1e-6, atol=1e-6)
+
+
 def test_attention_stays_fp32_under_autocast():
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(2, 8, 4, 2, 16, generator=gen)

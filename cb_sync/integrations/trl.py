@@ -191,9 +191,11 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 logits = invariant_logits(model, ids, mask, logits_to_keep, self.cb_config.block_size)
             logps.append(invariant_logprobs(logits, ids[:, -logits_to_keep:], self.temperature))
-            if compute_entropy:
-                log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-                entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+            if compute_entropy:     # with gradients only for TRL's entropy bonus
+                bonus = getattr(self, "_entropy_bonus_enabled", True)
+                with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
+                    log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+                    entropies.append(-(log_probs.exp() * log_probs).sum(-1))
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _add_logprob_gap(self, trainer_logps: torch.Tensor, batch: dict) -> None:
