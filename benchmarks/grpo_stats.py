@@ -3,7 +3,9 @@
 `GRPOStats` records, for each optimizer step: wall time (step begin -> step end, the GPU synchronised), time spent in
 rollout generation (when the trainer's `_generate` is wrapped with `stats.timed`), the length of every completion
 (`completion_lens`, when it is wrapped with `stats.counted`), the main thread's CPU seconds, the Triton kernels
-compiled during the step (`triton_compiles`, by name), peak GPU memory (torch's counters,
+compiled during the step (`triton_compiles`, by name), the garbage collector's pauses (`gc_s`), the caching
+allocator's retries, cudaMalloc and cudaFree calls (`alloc_retries`, `device_allocs`, `device_frees`), peak GPU
+memory (torch's counters,
 reset at each step begin; None when `cuda=False`), the card's memory in use (every process and pool on the device,
 sampled at the step's end, after each timed rollout and after each call wrapped with `stats.sampled`: vLLM's pool is
 not in torch's counters), and what TRL logs for the step: loss, reward, reward_std, KL, grad_norm, completion
@@ -23,6 +25,7 @@ different random samples, so only these coarse, sampling-tolerant properties are
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -142,6 +145,8 @@ class GRPOStats(TrainerCallback):
         self._card = None
         self._lens = None
         self._compiled = len(TRITON_COMPILES)
+        self._allocator = _allocator_counts() if self.cuda else {}
+        self._gc = GC_SECONDS[0]
         self._cpu = time.thread_time()
         self._t0 = time.perf_counter()
 
@@ -153,7 +158,10 @@ class GRPOStats(TrainerCallback):
         self.rows.append({"step": state.global_step, "step_s": step_s, "gen_s": self._gen_s, "peak_gib": peak,
                           "card_gib": self._card, "card_end_gib": end,
                           "main_cpu_s": round(time.thread_time() - self._cpu, 3),
-                          "triton_compiles": TRITON_COMPILES[self._compiled:]})
+                          "gc_s": round(GC_SECONDS[0] - self._gc, 4),
+                          "triton_compiles": TRITON_COMPILES[self._compiled:],
+                          **{key: value - self._allocator[key] for key, value in
+                             (_allocator_counts() if self.cuda else {}).items()}})
         if self._lens is not None:
             self.rows[-1]["completion_lens"] = self._lens
         if (self.deadline is not None and len(self.rows) >= self.min_steps and state.global_step < state.max_steps
@@ -185,6 +193,31 @@ class GRPOStats(TrainerCallback):
 
 
 TRITON_COMPILES: list[str] = []     # every kernel Triton's JIT compiled (or loaded from its disk cache), in order
+
+
+def _allocator_counts() -> dict:
+    """torch's caching-allocator events so far: retries after a failed allocation (each frees cached blocks and
+    synchronises), and cudaMalloc / cudaFree calls."""
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_allocs": stats.get("num_device_alloc", 0),
+            "device_frees": stats.get("num_device_free", 0)}
+
+
+GC_SECONDS = [0.0]     # the garbage collector's pauses so far (all generations)
+
+
+def _gc_timer():
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            GC_SECONDS[0] += time.perf_counter() - started[0]
+    return callback
+
+
+gc.callbacks.append(_gc_timer())
 
 
 def _watch_triton_compiles() -> None:
@@ -225,6 +258,9 @@ def format_row(row: dict) -> str:
     for key in ("loss", "reward", "kl", "grad_norm", "completion_len", "logp_gap_mean", "is_ratio_mean"):
         if row.get(key) is not None:
             parts.append(f"{key} {row[key]:.4g}")
+    for key, least in (("gc_s", 0.01), ("alloc_retries", 1), ("device_allocs", 1), ("device_frees", 1)):
+        if (row.get(key) or 0) >= least:                                        # what may stall a step
+            parts.append(f"{key} {row[key]:.3g}")
     return " ".join(parts)
 
 
