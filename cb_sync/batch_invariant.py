@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 ROWS = 64    # rows per call of every invariant op
 
-_LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
+_LINEAR = {torch.nn.functional.linear}
 _NORMS = {torch.nn.functional.layer_norm, torch.nn.functional.rms_norm}
 _REDUCTIONS = {torch.mean, torch.Tensor.mean, torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax,
                torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax, torch.cumsum,
@@ -73,7 +73,8 @@ class _InvariantOps(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _LINEAR:
             return _linear(*args, **kwargs)
-        if func in _NORMS and args and args[0].ndim >= 2 and len(args[1]) == 1:
+        if (func in _NORMS and len(args) > 1 and args[0].ndim >= 2 and isinstance(args[1], (list, tuple))
+                and len(args[1]) == 1):
             return _norm(func, *args, **kwargs)
         if func in _REDUCTIONS and args and isinstance(args[0], torch.Tensor) and args[0].ndim >= 2:
             x, rest = args[0], args[1:]
@@ -89,10 +90,9 @@ def invariant_ops():
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """ValueError for layers whose products `invariant_ops` does not run in row blocks: GPT-2-style Conv1D (addmm)
-    and expert weights of three or more dimensions (batched matmuls of mixture-of-experts layers)."""
+    """ValueError for layers whose products `invariant_ops` does not run in row blocks: GPT-2-style Conv1D (addmm),
+    and weights of three or more dimensions (mixture-of-experts batched matmuls, convolutions)."""
     for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if p.ndim >= 3]
-        if type(module).__name__ == "Conv1D" or (params and not isinstance(module, torch.nn.modules.conv._ConvNd)):
+        if type(module).__name__ == "Conv1D" or any(p.ndim >= 3 for p in module.parameters(recurse=False)):
             raise ValueError(f"batch_invariant=True covers linear layers, not {type(module).__name__} ({name}): "
                              "its products would depend on the batch")

@@ -22,10 +22,11 @@ F = torch.nn.functional
 def test_invariant_ops_give_a_row_the_same_bits_in_any_batch():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3 * ROWS + 9, 96, generator=gen)
-    w, b = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
+    w, b, scale = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen), torch.randn(96, generator=gen)
     ops = {"linear": lambda t: F.linear(t, w, b), "mean": lambda t: t.pow(2).mean(-1, keepdim=True),
            "mean_3d": lambda t: t.view(t.shape[0], 4, 24).mean(dim=2), "log_softmax": lambda t: t.log_softmax(-1),
-           "softmax": lambda t: F.softmax(t, dim=-1), "cumsum": lambda t: torch.cumsum(t, dim=1)}
+           "softmax": lambda t: F.softmax(t, dim=-1), "cumsum": lambda t: torch.cumsum(t, dim=1),
+           "layer_norm": lambda t: F.layer_norm(t, (96,), scale), "rms_norm": lambda t: F.rms_norm(t, [96], scale)}
     with invariant_ops():
         for name, op in ops.items():
             full = op(x)
