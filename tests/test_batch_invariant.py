@@ -3,6 +3,8 @@ chunked prefill, preemption and graph replay; a trainer's forward gives the gene
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -75,6 +77,57 @@ def test_row_attention_matches_the_reference_and_is_row_invariant(window, softca
     flipped = invariant.row_attention(query.flip(0), k_cache, v_cache, tables.flip(0), positions.flip(0), 0.25,
                                       window, softcap)
     assert torch.equal(flipped.flip(0), out)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 8.0)])
+def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, softcap):
+    """The Triton kernel (CUDA's path; interpreted here) against the plain-torch path, and a row alone against the
+    same row among others (a padded row, contexts of 1 to 151 keys, GQA)."""
+    pytest.importorskip("triton")
+    from cb_sync.attention import invariant_kernel
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(2, 80, 4, 2, 16, generator=gen)
+    query = torch.randn(9, 4, 16, generator=gen)
+    tables = torch.randperm(80, generator=gen)[:40].repeat(9, 1)
+    positions = torch.tensor([0, 5, 17, 63, 64, 100, 150, -1, 33])
+    expected = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25, window, softcap)
+    out = invariant_kernel.row_attention(query, k_cache, v_cache, tables, positions, 0.25, invariant.KEYS_PER_BLOCK,
+                                         window, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[7], torch.zeros_like(out[7]))
+    for i in (0, 5, 6):
+        blocks = int(positions[i]) // k_cache.shape[1] + 1
+        alone = invariant_kernel.row_attention(query[i:i + 1], k_cache, v_cache, tables[i:i + 1, :blocks],
+                                               positions[i:i + 1], 0.25, invariant.KEYS_PER_BLOCK, window, softcap)
+        assert torch.equal(alone[0], out[i])
+
+
+@pytest.fixture
+def kernel_attention(monkeypatch):
+    """The attention of both sides through the (interpreted) Triton kernel, as on CUDA."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(invariant, "_kernel_serves", lambda query: True)
+
+
+def test_through_the_kernel_a_request_is_bit_identical_alone_and_in_a_batch(kernel_attention):
+    model = make_model("qwen3", lora=True)
+    target, others = random_prompts([21], seed=4)[0], random_prompts([5, 40, 13], seed=5)
+    params = SamplingParams(max_new_tokens=8, do_sample=True, temperature=0.9, seed=3, logprobs=True)
+    alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([target], params)[0]
+    results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16), static_decode=True).generate(
+        others[:2] + [target] + others[2:], [dataclasses.replace(params, seed=i) for i in range(2)] + [params] * 2)
+    assert results[2].token_ids == alone.token_ids and results[2].logprobs == alone.logprobs
+
+
+def test_through_the_kernel_the_trainer_gets_the_generators_logprobs(kernel_attention):
+    model = make_model("mistral")           # a sliding window
+    prompts = random_prompts([5, 19, 30], seed=3)
+    params = [SamplingParams(max_new_tokens=6, do_sample=True, temperature=0.7, seed=i, logprobs=True)
+              for i in range(3)]
+    results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16)).generate(prompts, params)
+    ids, mask, width, keep = padded_batch(prompts, results)
+    logprobs = invariant_logprobs(invariant_logits(model, ids, mask, keep, block_size=16), ids[:, width:], 0.7)
+    assert torch.equal(logprobs, torch.tensor([r.logprobs for r in results], dtype=torch.float32))
 
 
 def _seeded(seed=11, **extra):

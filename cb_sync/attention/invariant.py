@@ -1,6 +1,8 @@
 """Row-invariant paged attention: each query row's output depends on its own query and context only, whatever the
-step (decode, a prefill chunk, a recompute after preemption) and whatever else is in it. Plain torch, for
-`CBConfig(batch_invariant=True)`.
+step (decode, a prefill chunk, a recompute after preemption) and whatever else is in it, for
+`CBConfig(batch_invariant=True)`. On CUDA one Triton launch (`invariant_kernel`, a program per row); elsewhere plain
+torch, below, which is also the reference the kernel is tested against (the two round differently: one device, one
+implementation, on the generator's side and the trainer's alike).
 
 Rows go in blocks of `batch_invariant.ROWS` (padded), and each row's keys in blocks of KEYS_PER_BLOCK positions from
 position 0 on, with an online softmax in fp32: every product and sum has one shape (batched matmuls of ROWS x heads
@@ -16,7 +18,8 @@ from ..batch_invariant import ROWS
 from .metadata import AttnMetadata
 from .sdpa_paged import store_kv
 
-KEYS_PER_BLOCK = 64       # key positions per online-softmax block (whole cache blocks; see key_block_pages)
+KEYS_PER_BLOCK = 64       # key positions per online-softmax block: the kernel's tile; plain torch takes whole cache
+                          # blocks (key_block_pages)
 
 
 def key_block_pages(block_size: int) -> int:
@@ -30,6 +33,10 @@ def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   softcap: float | None = None) -> torch.Tensor:
     """query [T, Hq, D]; row_blocks [T, W]: each row's context blocks in order; row_positions [T]: the row's position
     p (it sees keys 0..p, within the window); -1 marks a padded row (zeros out). Returns [T, Hq, D] in query's dtype."""
+    if _kernel_serves(query):
+        from . import invariant_kernel
+        return invariant_kernel.row_attention(query, k_cache, v_cache, row_blocks, row_positions, scale,
+                                              KEYS_PER_BLOCK, sliding_window, softcap)
     num_rows, num_heads, head_dim = query.shape
     pages = key_block_pages(k_cache.shape[1])
     width = -(-row_blocks.shape[1] // pages) * pages
@@ -45,6 +52,10 @@ def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             for i in range(0, query.shape[0], ROWS)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out[:num_rows]
+
+
+def _kernel_serves(query: torch.Tensor) -> bool:
+    return query.is_cuda
 
 
 def _attend_block(query, k_cache, v_cache, row_blocks, positions, pages, scale, sliding_window, softcap):
