@@ -45,16 +45,19 @@ def _last_dim(dim, ndim: int) -> bool:
     return isinstance(dim, int) and dim % ndim == ndim - 1
 
 
+def _per_row(x: torch.Tensor, fn) -> torch.Tensor:
+    """fn over x's rows flattened to [M, last] in row blocks, reshaped back to x's leading dimensions."""
+    out = in_row_blocks(x.reshape(-1, x.shape[-1]), fn)
+    return out.view(*x.shape[:-1], *out.shape[1:])
+
+
 def _linear(input, weight, bias=None):
-    rows = input.reshape(-1, input.shape[-1])
-    out = in_row_blocks(rows, lambda block: torch.nn.functional.linear(block, weight, bias))
-    return out.view(*input.shape[:-1], out.shape[-1])
+    return _per_row(input, lambda block: torch.nn.functional.linear(block, weight, bias))
 
 
 def _norm(func, input, normalized_shape, *args, **kwargs):
     """layer_norm / rms_norm over the last dimension, in row blocks."""
-    rows = input.reshape(-1, input.shape[-1])
-    return in_row_blocks(rows, lambda block: func(block, normalized_shape, *args, **kwargs)).view(input.shape)
+    return _per_row(input, lambda block: func(block, normalized_shape, *args, **kwargs))
 
 
 def _over_last_dim(func, x, args, kwargs):
@@ -63,9 +66,7 @@ def _over_last_dim(func, x, args, kwargs):
         args = (-1, *args[1:])
     else:
         kwargs = {**kwargs, "dim": -1}
-    rows = x.reshape(-1, x.shape[-1])
-    out = in_row_blocks(rows, lambda block: func(block, *args, **kwargs))
-    return out.view(*x.shape[:-1], *out.shape[1:])
+    return _per_row(x, lambda block: func(block, *args, **kwargs))
 
 
 class _InvariantOps(TorchFunctionMode):

@@ -32,7 +32,7 @@ class CBConfig:
     batch_invariant: a request's tokens and logprobs depend on that request alone, bit for bit: not on what else is in
         the batch, on prefill chunking, preemption or graph replay (`batch_invariant.py`). Linear layers and
         reductions run over fixed-shape row blocks and attention through a row-invariant path; runs eagerly (no
-        compile) without the LoRA kernels; slower (measured in benchmarks/NOTES.md)."""
+        compile) without the LoRA kernels; slower."""
 
     block_size: int = 16
     num_blocks: int | None = None

@@ -7,8 +7,8 @@ implementation, on the generator's side and the trainer's alike).
 Rows go in blocks of `batch_invariant.ROWS` (padded), and each row's keys in blocks of KEYS_PER_BLOCK positions from
 position 0 on, with an online softmax in fp32: every product and sum has one shape (batched matmuls of ROWS x heads
 single-row products) and one order, and key blocks past a row's context leave its state untouched (not just
-numerically: the state is kept). The same function serves the
-generator's paged cache and a trainer's full sequences (`attention.invariant_training`)."""
+numerically: the state is kept). The same function serves the generator's paged cache and a trainer's full
+sequences (`attention.invariant_training`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from ..batch_invariant import ROWS
 from .metadata import AttnMetadata
-from .sdpa_paged import store_kv
+from .sdpa_paged import store_kv, token_requests
 
 KEYS_PER_BLOCK = 64       # key positions per online-softmax block: the kernel's tile; plain torch takes whole cache
                           # blocks (key_block_pages)
@@ -112,11 +112,8 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         store_kv_on_device(key, value, k_cache, v_cache, meta.slot_mapping)
     else:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-    num_tokens, num_reqs = query.shape[0], meta.seq_lens.numel()
-    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
-    token_req = torch.repeat_interleave(torch.arange(num_reqs, device=query.device), q_lens, output_size=num_tokens)
+    q_lens, token_req, row = token_requests(meta.query_start_loc, query.shape[0])
     seq_lens = meta.seq_lens.long()[token_req]
-    row = torch.arange(num_tokens, device=query.device) - meta.query_start_loc[token_req].long()
     positions = torch.where(seq_lens > 0, seq_lens - q_lens[token_req] + row, torch.full_like(seq_lens, -1))
     blocks = -(-meta.max_seq_len // k_cache.shape[1])
     return row_attention(query, k_cache, v_cache, meta.block_tables[token_req, :blocks], positions, scale,

@@ -16,6 +16,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
 
+def token_requests(query_start_loc: torch.Tensor, num_tokens: int):
+    """(queries per request [R], each token's request [T], each token's index among its request's queries [T]) of a
+    flat batch; no host synchronisation."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    token_req = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens,
+                                        output_size=num_tokens)
+    return q_lens, token_req, torch.arange(num_tokens, device=q_lens.device) - query_start_loc[token_req].long()
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -26,9 +35,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_tokens == 0 or max_seq_len == 0:
         return torch.zeros_like(query)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), q_lens, output_size=num_tokens)
-    token_row = torch.arange(num_tokens, device=device) - query_start_loc[token_req].long()
+    q_lens, token_req, token_row = token_requests(query_start_loc, num_tokens)
     q_pad = query.new_zeros(num_reqs, max_query_len, num_heads, head_dim)
     q_pad[token_req, token_row] = query
     num_ctx_blocks = -(-max_seq_len // block_size)
