@@ -4,6 +4,7 @@
 #   bash benchmarks/run_h200.sh throughput [ARGS]             Workload T vs HF generate and transformers CB
 #   bash benchmarks/run_h200.sh decode [ARGS]                 decode-step probe per bucket, eager vs graph
 #   bash benchmarks/run_h200.sh loop [ARGS]                   driver-loop probe: wall ms per step vs replay
+#   bash benchmarks/run_h200.sh invariant [ARGS]              batch-invariant mode: cost and mismatch tables
 #   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs .whl/ (benchmarks/peers_wheels.sh)
 #     and a dill wheel (carry .vllm-wheels/p6 or .unsloth-wheels too); the image's own pyarrow is used
 #   bash benchmarks/run_h200.sh grpo_hook [ARGS]              trainer rollouts against the driver alone; as grpo
@@ -17,7 +18,8 @@ name=""; previous=""
 for arg in "$@"; do [ "$previous" = --name ] && name=$arg; previous=$arg; done
 case "$stage" in
   tests)
-    timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_lora_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_lora_kernels.py \
+      tests/test_invariant_kernels.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
   throughput)
     name=${name:-throughput}     # only this run's files come back (a transfer holds a handful of files)
     timeout 590 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/$name.log"
@@ -25,6 +27,10 @@ case "$stage" in
   decode)
     name=${name:-decode_graphs}
     timeout 550 python -m benchmarks.decode_graphs "$@" 2>&1 | tee "$OUT/$name.log"
+    cp benchmarks/results/"$name".{json,md} "$OUT/" 2>/dev/null ;;
+  invariant)
+    name=${name:-batch_invariant}
+    timeout 550 python -m benchmarks.batch_invariant "$@" 2>&1 | tee "$OUT/$name.log"
     cp benchmarks/results/"$name".{json,md} "$OUT/" 2>/dev/null ;;
   loop)
     timeout 550 python -m benchmarks.decode_loop --out "$OUT" "$@" 2>&1 | tee "$OUT/decode_loop.log" ;;

@@ -8,7 +8,9 @@ dimension (mean, softmax, log_softmax, cumsum) run over blocks of exactly ROWS r
 every call has one shape whatever the batch. max / argmax / top-k are exact, and elementwise ops compute each element
 alone (on the CPU, a tensor's last few elements may take a scalar path that rounds transcendental functions
 differently from the vector one: row widths that are multiples of 16, as every model's are, keep rows out of it).
-Attention has its own row-invariant path (`attention.invariant`); `check_model` refuses layers this does not cover.
+On CUDA a last-dimension mean is one launch of a program per row (`row_mean`). Attention has its own row-invariant
+path (`attention.invariant`), and PEFT LoRA layers the LoRA kernel in one fixed tiling (`lora.invariant_tuning`);
+`check_model` refuses layers this does not cover.
 
 The cost: rows below ROWS are padded (memory-bound decode steps read the weights once either way) and a large batch
 takes one call per ROWS rows."""
@@ -22,7 +24,8 @@ ROWS = 64    # rows per call of every invariant op
 
 _LINEAR = {torch.nn.functional.linear}
 _NORMS = {torch.nn.functional.layer_norm, torch.nn.functional.rms_norm}
-_REDUCTIONS = {torch.mean, torch.Tensor.mean, torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax,
+_MEANS = {torch.mean, torch.Tensor.mean}
+_REDUCTIONS = {*_MEANS, torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax,
                torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax, torch.cumsum,
                torch.Tensor.cumsum}   # over the last dimension
 
@@ -51,7 +54,8 @@ def _per_row(x: torch.Tensor, fn) -> torch.Tensor:
     return out.view(*x.shape[:-1], *out.shape[1:])
 
 
-def _linear(input, weight, bias=None):
+def linear_rows(input, weight, bias=None):
+    """F.linear in row blocks: what `invariant_ops` makes of a linear layer."""
     return _per_row(input, lambda block: torch.nn.functional.linear(block, weight, bias))
 
 
@@ -60,8 +64,18 @@ def _norm(func, input, normalized_shape, *args, **kwargs):
     return _per_row(input, lambda block: func(block, normalized_shape, *args, **kwargs))
 
 
+def _mean_kernel_serves(x: torch.Tensor) -> bool:
+    """CUDA's floating-point means go to one Triton launch (`row_mean`) instead of row blocks."""
+    return x.is_cuda and x.is_floating_point()
+
+
 def _over_last_dim(func, x, args, kwargs):
     """func(x, dim, ...) with dim the last one, over x's rows flattened to [M, last]."""
+    if func in _MEANS and _mean_kernel_serves(x) and not kwargs.keys() - {"dim", "keepdim"} and len(args) <= 2:
+        from .row_mean import row_mean
+        keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+        out = row_mean(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
+        return out.unsqueeze(-1) if keepdim else out
     if args:
         args = (-1, *args[1:])
     else:
@@ -73,7 +87,7 @@ class _InvariantOps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _LINEAR:
-            return _linear(*args, **kwargs)
+            return linear_rows(*args, **kwargs)
         if (func in _NORMS and len(args) > 1 and args[0].ndim >= 2 and isinstance(args[1], (list, tuple))
                 and len(args[1]) == 1):
             return _norm(func, *args, **kwargs)

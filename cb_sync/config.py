@@ -30,9 +30,9 @@ class CBConfig:
     progress_bar: None = only when stderr is a terminal.
     tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).
     batch_invariant: a request's tokens and logprobs depend on that request alone, bit for bit: not on what else is in
-        the batch, on prefill chunking, preemption or graph replay (`batch_invariant.py`). Linear layers and
-        reductions run over fixed-shape row blocks and attention through a row-invariant path; runs eagerly (no
-        compile) without the LoRA kernels; slower."""
+        the batch, on prefill chunking, preemption or graph replay (`batch_invariant.py`). LoRA layers run the LoRA
+        kernel in one fixed tiling (on CUDA, with lora_kernels), means one program per row, other linear layers and
+        reductions over fixed-shape row blocks, attention a row-invariant path; uncompiled; slower."""
 
     block_size: int = 16
     num_blocks: int | None = None

@@ -15,13 +15,14 @@ from .batch_invariant import check_model, invariant_ops
 from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
 from .graphs import decode_buckets
-from .lora import kernel_row_limit, lora_kernels
+from .lora import invariant_tuning, kernel_row_limit, lora_kernels
 from .model_state import check_supported, generation_mode
 from .patching import base_model
 from .request import GenerationResult, Request, Status
 from .runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
 from .runner.compiled import eager_forward
 from .scheduler import Scheduler
+from .tuning import LoraTuning
 from .validation import build_requests, check_fits
 
 
@@ -107,9 +108,9 @@ class SyncCBDriver:
         check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity)
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
-        use_lora_kernels = cfg.lora_kernels and self.backend not in (sdpa_paged, invariant)
-        with generation_mode(self.model) as modules, lora_kernels(self.model, use_lora_kernels, modules,
-                                                                   cfg.tuning.lora), self._ops(), tqdm(
+        lora_tuning = self._lora_tuning()
+        with generation_mode(self.model) as modules, lora_kernels(self.model, lora_tuning is not None, modules,
+                                                                   lora_tuning or cfg.tuning.lora), self._ops(), tqdm(
                 total=sum(r.params.max_new_tokens for r in requests), unit="tok", desc="cb_sync",
                 disable=not (sys.stderr.isatty() if show is None else show)) as bar:
             self.cache.ensure(num_blocks)
@@ -117,6 +118,13 @@ class SyncCBDriver:
                 self.runner.replay.begin_call(max(blocks_for(r.max_tokens, cfg.block_size) for r in requests), modules)
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
+
+    def _lora_tuning(self) -> LoraTuning | None:
+        """The LoRA kernels' tuning for this call, None where PEFT's own forward runs."""
+        cfg = self.config
+        if cfg.batch_invariant:
+            return invariant_tuning(cfg.lora_kernels, cfg.tuning.lora, self.device)
+        return cfg.tuning.lora if cfg.lora_kernels and self.backend is not sdpa_paged else None
 
     def _ops(self):
         return invariant_ops() if self.config.batch_invariant else contextlib.nullcontext()

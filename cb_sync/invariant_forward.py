@@ -13,8 +13,11 @@ import torch
 
 from .attention.invariant_training import INVARIANT_IMPLEMENTATION, positions_from_mask
 from .batch_invariant import invariant_ops
+from .lora import invariant_tuning
+from .lora import lora_kernels as lora_forwards
 from .patching import base_model, forwards_swapped, module_list
 from .sampling import chosen_logprobs
+from .tuning import LoraTuning
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -29,19 +32,25 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextmanager
-def invariant_training(model: torch.nn.Module):
+def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning: LoraTuning = LoraTuning()):
     """Within the block, the model's forwards (with the cb_positions / cb_block_size kwargs of `invariant_logits`)
     run batch-invariantly: also a forward recomputed by gradient checkpointing during backward, which must save what
-    the first one saved. The attention implementation is restored after (model may be wrapped, e.g. in DDP)."""
+    the first one saved. PEFT LoRA layers run the generator's LoRA kernel where its driver does (lora_kernels and
+    tuning: the generator's CBConfig's). The attention implementation is restored after (model may be wrapped, e.g.
+    in DDP)."""
     model = unwrapped(model)
     config = base_model(model).config
     previous = config._attn_implementation
+    modules = module_list(model)
+    device = base_model(model).get_input_embeddings().weight.device
+    lora_tuning = invariant_tuning(lora_kernels, tuning, device)
     try:
         config._attn_implementation = INVARIANT_IMPLEMENTATION
         # backward runs outside any torch function mode, so the modules gradient checkpointing recomputes enter it
         # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
-        leaves = [m for m in module_list(model) if not m._modules]
-        with forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops():
+        leaves = [m for m in modules if not m._modules]
+        with (forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops(),
+              lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning)):
             yield
     finally:
         config._attn_implementation = previous
@@ -55,11 +64,13 @@ def _in_invariant_ops(forward):
 
 
 def invariant_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     logits_to_keep: int, block_size: int) -> torch.Tensor:
+                     logits_to_keep: int, block_size: int, lora_kernels: bool = True,
+                     tuning: LoraTuning = LoraTuning()) -> torch.Tensor:
     """Logits [B, logits_to_keep, V] predicting the last logits_to_keep tokens of each row, batch-invariantly
-    (input_ids / attention_mask [B, T], left- or right-padded; block_size: the generator's CBConfig.block_size)."""
+    (input_ids / attention_mask [B, T], left- or right-padded; block_size, lora_kernels and tuning: the generator's
+    CBConfig's block_size, lora_kernels and tuning.lora)."""
     positions = positions_from_mask(attention_mask)
-    with invariant_training(model):
+    with invariant_training(model, lora_kernels, tuning):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.clamp(min=0),
                        cb_positions=positions, cb_block_size=block_size, logits_to_keep=logits_to_keep + 1,
                        use_cache=False).logits

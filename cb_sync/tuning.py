@@ -45,6 +45,14 @@ class LoraTuning(_Ints):
     # costs, where PEFT's forward measured faster
     host_bound_min_rows: int = 257
     host_bound_max_rows: int = 4096
+    # 1: one tiling for every row count (batch-invariant mode): programs of fixed_block_m rows, shrink splits of
+    # shrink_split_k features, base GEMMs always in the kernel (split over K as summed_base_* for groups narrower than
+    # gemm_base_min_columns, else in the expand launch in tiles of fixed_block_n columns and fixed_block_k features);
+    # no choice by the row count anywhere
+    fixed_tiling: int = 0
+    fixed_block_m: int = 32
+    fixed_block_n: int = 64
+    fixed_block_k: int = 128
 
 
 @dataclass(frozen=True)

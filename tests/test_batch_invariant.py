@@ -102,32 +102,54 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
         assert torch.equal(alone[0], out[i])
 
 
-@pytest.fixture
-def kernel_attention(monkeypatch):
-    """The attention of both sides through the (interpreted) Triton kernel, as on CUDA."""
+def serve_kernels(monkeypatch, means: bool = True):
+    """Both sides through the (interpreted) Triton kernels, as on CUDA: attention, LoRA layers, and means."""
     pytest.importorskip("triton")
+    from cb_sync import batch_invariant
+    from cb_sync.lora import fast_forward
     monkeypatch.setattr(invariant, "_kernel_serves", lambda query: True)
+    monkeypatch.setattr(fast_forward, "_invariant_kernel_serves", lambda device: True)
+    if means:
+        monkeypatch.setattr(batch_invariant, "_mean_kernel_serves", lambda x: x.is_floating_point())
 
 
-def test_through_the_kernel_a_request_is_bit_identical_alone_and_in_a_batch(kernel_attention):
-    model = make_model("qwen3", lora=True)
+def _with_lora(model, targets=("q_proj", "k_proj", "v_proj", "down_proj")):
+    """LoRA on a group of three projections and a single one: both kernel paths, at half the interpreter's time."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=list(targets))
+    return get_peft_model(model, config).eval()
+
+
+def test_through_the_kernels_a_request_is_bit_identical_alone_and_in_a_batch(monkeypatch):
+    """bf16 (the LoRA kernel's single-product path: the interpreter's time) without the row-mean kernel (a program
+    per row: tested below and on its own)."""
+    serve_kernels(monkeypatch, means=False)
+    model = _with_lora(make_model("qwen3")).to(torch.bfloat16)
     target, others = random_prompts([21], seed=4)[0], random_prompts([5, 40, 13], seed=5)
-    params = SamplingParams(max_new_tokens=8, do_sample=True, temperature=0.9, seed=3, logprobs=True)
+    params = SamplingParams(max_new_tokens=5, do_sample=True, temperature=0.9, seed=3, logprobs=True)
     alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([target], params)[0]
     results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16), static_decode=True).generate(
         others[:2] + [target] + others[2:], [dataclasses.replace(params, seed=i) for i in range(2)] + [params] * 2)
     assert results[2].token_ids == alone.token_ids and results[2].logprobs == alone.logprobs
 
 
-def test_through_the_kernel_the_trainer_gets_the_generators_logprobs(kernel_attention):
-    model = make_model("mistral")           # a sliding window
-    prompts = random_prompts([5, 19, 30], seed=3)
-    params = [SamplingParams(max_new_tokens=6, do_sample=True, temperature=0.7, seed=i, logprobs=True)
-              for i in range(3)]
+def test_through_the_kernels_the_trainer_gets_the_generators_logprobs(monkeypatch):
+    """A sliding window and LoRA; the trainer's forward with gradients (the LoRA kernel's differentiable op)."""
+    serve_kernels(monkeypatch)
+    model = _with_lora(make_model("mistral"))
+    prompts = random_prompts([5, 19], seed=3)
+    params = [SamplingParams(max_new_tokens=4, do_sample=True, temperature=0.7, seed=i, logprobs=True)
+              for i in range(2)]
     results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16)).generate(prompts, params)
     ids, mask, width, keep = padded_batch(prompts, results)
+    model.train()
     logprobs = invariant_logprobs(invariant_logits(model, ids, mask, keep, block_size=16), ids[:, width:], 0.7)
+    assert logprobs.requires_grad
     assert torch.equal(logprobs, torch.tensor([r.logprobs for r in results], dtype=torch.float32))
+    logprobs.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_" in n)
+    logits = invariant_logits(model, ids, mask, keep, block_size=16, lora_kernels=False)   # PEFT's forward
+    torch.testing.assert_close(invariant_logprobs(logits, ids[:, width:], 0.7), logprobs, rtol=1e-4, atol=1e-4)
 
 
 def _seeded(seed=11, **extra):

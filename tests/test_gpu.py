@@ -261,3 +261,18 @@ def test_batch_invariant_mode_on_the_4b_shape():
     logprobs = invariant_logprobs(logits, ids[:, width:].cuda(), 1.0).cpu()
     model.eval()
     assert torch.equal(logprobs, torch.tensor([r.logprobs for r in batch], dtype=torch.float32))
+    # as the GRPO trainer runs it: rollout and loss forward under bf16 autocast, the loss's with gradients (the LoRA
+    # kernel's differentiable op), 8 requests against one alone
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        batch = SyncCBDriver(model, config).generate(prompts[:8], params[:8])
+        alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([prompts[5]], params[5])[0]
+        assert alone.token_ids == batch[5].token_ids and alone.logprobs == batch[5].logprobs
+        ids, mask, width, _ = padded_batch(prompts[:8], batch)
+        model.train()
+        logits = invariant_logits(model, ids.cuda(), mask.cuda(), 48, config.block_size)
+    logprobs = invariant_logprobs(logits, ids[:, width:].cuda(), 1.0)
+    model.eval()
+    assert logprobs.requires_grad
+    assert torch.equal(logprobs.detach().cpu(), torch.tensor([r.logprobs for r in batch], dtype=torch.float32))
+    logprobs.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)

@@ -230,14 +230,19 @@ def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):
     assert trainer.use_vllm is False  # the flag is only flipped for the duration of TRL's calls
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False])
-def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, batch_invariant):
+@pytest.mark.parametrize("batch_invariant, kernels", [(True, False), (True, True), (False, False)],
+                         ids=["invariant", "invariant_kernels", "default"])
+def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, batch_invariant, kernels):
     """CBConfig(batch_invariant=True): the generator's logprob of every completion token equals, bit for bit, the
     trainer's old logps (no grad) and the loss's (with grad, through gradient checkpointing): the gap is exactly 0,
     every importance ratio exactly 1. The default mode's (fp32) gap is small, not 0. LoRA with prompts of several
-    lengths (left padding), chunked prefill and two micro-batches."""
+    lengths (left padding), chunked prefill and two micro-batches; kernels: both sides through the (interpreted)
+    Triton kernels, as on CUDA (the LoRA kernel's differentiable op in the loss's forward)."""
     from peft import LoraConfig
 
+    if kernels:      # the row-mean kernel (a program per row: slow when interpreted) is tested on its own
+        from test_batch_invariant import serve_kernels
+        serve_kernels(monkeypatch, means=False)
     pairs = []
     add = CBSyncGRPOTrainer._add_logprob_gap
 
@@ -248,7 +253,7 @@ def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, b
 
     monkeypatch.setattr(CBSyncGRPOTrainer, "_add_logprob_gap", recording)
     peft_config = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    for correction in (True, False):
+    for correction in (False,) if kernels else (True, False):   # the interpreted kernels: the loss's side only
         pairs.clear()
         trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
                                     args=grpo_args(tmp_path, max_steps=2, per_device_train_batch_size=4,

@@ -112,9 +112,11 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         store_kv_on_device(key, value, k_cache, v_cache, meta.slot_mapping)
     else:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-    q_lens, token_req, row = token_requests(meta.query_start_loc, query.shape[0])
-    seq_lens = meta.seq_lens.long()[token_req]
-    positions = torch.where(seq_lens > 0, seq_lens - q_lens[token_req] + row, torch.full_like(seq_lens, -1))
-    blocks = -(-meta.max_seq_len // k_cache.shape[1])
-    return row_attention(query, k_cache, v_cache, meta.block_tables[token_req, :blocks], positions, scale,
-                         sliding_window, softcap)
+    rows = meta.derived.get(__name__)
+    if rows is None:                    # each row's context blocks and position: the same in every layer
+        q_lens, token_req, row = token_requests(meta.query_start_loc, query.shape[0])
+        seq_lens = meta.seq_lens.long()[token_req]
+        positions = torch.where(seq_lens > 0, seq_lens - q_lens[token_req] + row, torch.full_like(seq_lens, -1))
+        blocks = -(-meta.max_seq_len // k_cache.shape[1])
+        rows = meta.derived[__name__] = meta.block_tables[token_req, :blocks], positions.to(torch.int32)
+    return row_attention(query, k_cache, v_cache, *rows, scale, sliding_window, softcap)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -23,7 +23,8 @@ class AttnMetadata:
         none, so a compiled step does not guard on them).
     k_caches, v_caches: per layer, [num_blocks, block_size, num_kv_heads, head_dim].
     backend: module providing store_and_attend() (see attention/sdpa_paged.py).
-    tuning: the Triton kernels' tile sizes."""
+    tuning: the Triton kernels' tile sizes.
+    derived: what a backend derives from the above, once a step (in the first layer) for every layer."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -35,3 +36,4 @@ class AttnMetadata:
     v_caches: list[torch.Tensor]
     backend: ModuleType
     tuning: AttentionTuning = AttentionTuning()
+    derived: dict = field(default_factory=dict, repr=False)

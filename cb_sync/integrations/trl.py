@@ -131,7 +131,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if not self.cb_config.batch_invariant:
             return super().training_step(*args, **kwargs)
         # gradient checkpointing recomputes the forward during backward: there too through the invariant path
-        with invariant_training(self.accelerator.unwrap_model(self.model)):
+        cfg = self.cb_config
+        with invariant_training(self.accelerator.unwrap_model(self.model), cfg.lora_kernels, cfg.tuning.lora):
             return super().training_step(*args, **kwargs)
 
     @contextmanager
@@ -189,7 +190,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
             with self.accelerator.autocast():
-                logits = invariant_logits(model, ids, mask, logits_to_keep, self.cb_config.block_size)
+                cfg = self.cb_config
+                logits = invariant_logits(model, ids, mask, logits_to_keep, cfg.block_size, cfg.lora_kernels,
+                                          cfg.tuning.lora)
             logps.append(invariant_logprobs(logits, ids[:, -logits_to_keep:], self.temperature))
             if compute_entropy:     # with gradients only for TRL's entropy bonus
                 bonus = getattr(self, "_entropy_bonus_enabled", True)

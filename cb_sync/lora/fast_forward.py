@@ -3,8 +3,9 @@
 The swapped forward reads the very `lora_A` / `lora_B` parameters the trainer updates (no copy) and computes
 PEFT's function, also under autocast; anything it does not cover goes to PEFT's own forward: several active
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
-(accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute,
-non-Linear base layers, eager steps of the tuning's host-bound sizes, and steps too large for the kernel's int32
+(accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute
+(except in the fixed tiling of batch-invariant mode: there a differentiable op, `autograd.lora_linear`), non-Linear
+base layers, eager steps of the tuning's host-bound sizes, and steps too large for the kernel's int32
 offsets (`kernel_row_limit`: a compiled step has no size test, so its caller keeps it within that bound).
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
@@ -16,10 +17,13 @@ to guard).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..patching import base_model, forwards_swapped, module_list
 from ..tuning import LoraTuning
+from .autograd import lora_linear
 
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
 KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within reach of the kernel's int32 offsets
@@ -91,7 +95,8 @@ def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning):
     """
     names = [name for name in module.active_adapters if name in module.lora_A.keys()]
     base = module.base_layer
-    if not torch.compiler.is_compiling():     # compiled: no size test to guard on (see kernel_row_limit)
+    # compiled: no size test to guard on (see kernel_row_limit); fixed tiling: no choice by size at all
+    if not torch.compiler.is_compiling() and not tuning.fixed_tiling:
         rows = x.shape[:-1].numel()
         host_bound = tuning.host_bound_min_rows <= rows < tuning.host_bound_max_rows
         if host_bound or rows * max(base.in_features, base.out_features) > KERNEL_MAX_ELEMENTS:
@@ -104,16 +109,19 @@ def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning):
     weights = (lora_a.weight, lora_b.weight)
     dropout_active = module.training and not isinstance(module.lora_dropout[name], torch.nn.Identity)
     variant = name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False)
-    wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(
-        p is not None and p.requires_grad for p in (*weights, base.weight, base.bias)))
     if (variant or dropout_active or getattr(lora_b, "bias", None) is not None or _hooked(lora_a) or _hooked(lora_b)
             or weights[0].dtype != weights[1].dtype or weights[0].dtype not in KERNEL_DTYPES
             or x.dtype not in KERNEL_DTYPES or any(w.device != x.device for w in weights)
-            or weights[0].shape[1] != x.shape[-1] or weights[0].shape[0] > MAX_RANK or wants_grad):
+            or weights[0].shape[1] != x.shape[-1] or weights[0].shape[0] > MAX_RANK
+            or (_wants_grad(x, *weights, base.weight, base.bias) and not tuning.fixed_tiling)):
         return None
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weights[0].dtype
     return weights[0], weights[1], module.scaling[name], compute
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _base_fusable(layers: list, x: torch.Tensor) -> bool:
@@ -129,6 +137,12 @@ def _base_fusable(layers: list, x: torch.Tensor) -> bool:
             and len({layer.bias is None for layer in layers}) == 1 and not any(_hooked(layer) for layer in layers))
 
 
+def _base_kind(layer, x: torch.Tensor) -> tuple[bool, bool]:
+    """What decides a layer's base path: in the fixed tiling only layers of one kind share a launch, so that each
+    projection's base is computed as it would be alone (as the trainer's differentiable op computes it)."""
+    return _base_fusable([layer], x), layer.bias is None
+
+
 def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tuning: LoraTuning):
     ints = tuning.ints()
 
@@ -136,6 +150,10 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
         adapter = None if args or kwargs else _kernel_adapter(module, x, tuning)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
+        base = module.base_layer
+        if tuning.fixed_tiling and _wants_grad(x, *adapter[:2], base.weight, base.bias):
+            # a batch-invariant trainer's forward: this projection alone, differentiable
+            return lora_linear(x, base.weight, base.bias, *adapter, _base_fusable([base], x), ints)
         kept = group.take(index, x, adapter)
         if kept is not None:
             return kept
@@ -143,7 +161,8 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
         for other_index, other in enumerate(group.modules):
             other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning)
             same_dtypes = other_adapter is not None and other_adapter[0].dtype == adapter[0].dtype
-            if same_dtypes and other_adapter[3] == adapter[3]:
+            if same_dtypes and other_adapter[3] == adapter[3] and (
+                    not tuning.fixed_tiling or _base_kind(other.base_layer, x) == _base_kind(module.base_layer, x)):
                 members[other_index] = other_adapter
         lora = ([a[0] for a in members.values()], [a[1] for a in members.values()], [a[2] for a in members.values()])
         layers = [group.modules[i].base_layer for i in members]
@@ -161,6 +180,17 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
             group.keep(x, {i: out for i, out in outs.items() if i != index}, members)
         return outs[index]
     return forward
+
+
+def invariant_tuning(enabled: bool, tuning: LoraTuning, device: torch.device) -> LoraTuning | None:
+    """Batch-invariant mode's LoRA kernel tuning, the same for the generator and the trainer: one tiling for every row
+    count, all base GEMMs in the kernel. None where the kernel does not serve (lora_kernels=False, or off CUDA):
+    PEFT's forward in row blocks."""
+    return dataclasses.replace(tuning, fixed_tiling=1) if enabled and _invariant_kernel_serves(device) else None
+
+
+def _invariant_kernel_serves(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
 def lora_kernels(model: torch.nn.Module, enabled: bool = True, modules: list | None = None,

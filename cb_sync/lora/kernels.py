@@ -13,7 +13,12 @@ while the shrink runs, read or compute their base, and wait for the shrink's par
 
 `lora_linear_group` also computes the base GEMMs x W_i^T (+ bias) for few rows: in the expand launch for wide groups
 (GEMM_BASE), or split over K by extra programs of the shrink launch whose fp32 partials the expand launch sums in a
-fixed order (SUMMED_BASE), so narrow layers still fill the GPU."""
+fixed order (SUMMED_BASE), so narrow layers still fill the GPU.
+
+The fixed tiling (`LoraTuning.fixed_tiling`, batch-invariant mode) gives every row count the same tiles, K splits and
+base path (GEMM_BASE or SUMMED_BASE by the group's width, as above, never torch's), and cuts only the rows (into
+chunks of at most FIXED_CHUNK_ROWS): each output row is then computed by the same instructions in the same order
+whatever else shares the call, so its bits depend on that row alone."""
 
 import functools
 import os
@@ -28,6 +33,7 @@ from ..tuning import LoraTuning
 MAX_MEMBERS = 3       # projections per launch
 READ_BASE, GEMM_BASE, SUMMED_BASE = 0, 1, 2   # where the expand launch takes the base from
 MAX_OFFSET = torch.iinfo(torch.int32).max   # elements of one operand within reach of the kernels' int32 offsets
+FIXED_CHUNK_ROWS = 4096   # the fixed tiling's rows a launch pair: its split-K base partials stay ~0.5 GB or less
 _NATIVE_DOTS = os.environ.get("TRITON_INTERPRET") != "1"
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -43,11 +49,12 @@ def _bf16_parts(v):
 
 @triton.jit
 def _mma(a, b, acc, NATIVE: tl.constexpr):
-    """acc + a @ b of 16-bit tiles, fp32 sums; NATIVE False (the CPU interpreter's bf16 dot is wrong): upcast first."""
+    """acc + a @ b of 16-bit tiles, fp32 sums. NATIVE False, the CPU interpreter (whose bf16 dot is wrong, and whose
+    fp32 dot, numpy's BLAS, rounds a row differently by its place in the tile): fp32 products summed over k."""
     if NATIVE:
         acc = tl.dot(a, b, acc)
     else:
-        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return acc
 
 
@@ -113,10 +120,10 @@ def _shrink_tile(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K, s
 
 @triton.jit
 def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr, M, K, stride_xm, stride_xk,
-                       tile, split, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, BLOCK_K: tl.constexpr,
+                       tile, split, row_tile, X_IS_BF16: tl.constexpr, NATIVE: tl.constexpr, BLOCK_K: tl.constexpr,
                        BASE_SPLIT_K: tl.constexpr, BASE_BLOCK_M: tl.constexpr, BASE_BLOCK_N: tl.constexpr):
-    """base_partial[split, :, cols] = x[:, split] @ W[cols, split]^T for column tile `tile` of all members' outputs
-    side by side; every row in one tile."""
+    """base_partial[split, rows, cols] = x[rows, split] @ W[cols, split]^T for column tile `tile` of all members'
+    outputs side by side and row tile `row_tile`."""
     tiles0, tiles1 = tl.cdiv(n0, BASE_BLOCK_N), tl.cdiv(n1, BASE_BLOCK_N)
     if tile < tiles0:
         w_ptr, N, first = w0_ptr, n0, 0
@@ -124,7 +131,7 @@ def _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_p
         w_ptr, N, first, tile = w1_ptr, n1, n0, tile - tiles0
     else:
         w_ptr, N, first, tile = w2_ptr, n2, n0 + n1, tile - tiles0 - tiles1
-    rows = tl.arange(0, BASE_BLOCK_M)
+    rows = row_tile * BASE_BLOCK_M + tl.arange(0, BASE_BLOCK_M)
     cols = tile * BASE_BLOCK_N + tl.arange(0, BASE_BLOCK_N)
     acc = _x_wt(tl.zeros([BASE_BLOCK_M, BASE_BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, rows, cols, M, N, K,
                 split * BASE_SPLIT_K, tl.minimum(split * BASE_SPLIT_K + BASE_SPLIT_K, K), stride_xm, stride_xk,
@@ -140,7 +147,7 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K,
                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    BASE_SPLIT_K: tl.constexpr, BASE_BLOCK_M: tl.constexpr, BASE_BLOCK_N: tl.constexpr):
     """The first row_tiles x num_splits x members programs: one LoRA shrink tile each. Any further programs: one
-    (column tile, K split) of the split-K base GEMMs each. With PDL the expand launch may start at once."""
+    (row tile, column tile, K split) of the split-K base GEMMs each. With PDL the expand launch may start at once."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -151,8 +158,11 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K,
                      COMPUTE, X_IS_BF16, NATIVE, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R)
     else:
         base_splits = tl.cdiv(K, BASE_SPLIT_K)
+        per_row_tile = base_splits * (tl.cdiv(n0, BASE_BLOCK_N) + tl.cdiv(n1, BASE_BLOCK_N) + tl.cdiv(n2, BASE_BLOCK_N))
+        index = pid - lora_programs
+        in_row_tile = index % per_row_tile
         _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr, M, K, stride_xm, stride_xk,
-                           (pid - lora_programs) // base_splits, (pid - lora_programs) % base_splits, X_IS_BF16,
+                           in_row_tile // base_splits, in_row_tile % base_splits, index // per_row_tile, X_IS_BF16,
                            NATIVE, BLOCK_K, BASE_SPLIT_K, BASE_BLOCK_M, BASE_BLOCK_N)
 
 
@@ -224,8 +234,9 @@ def _padded(values: list, fill) -> list:
 
 
 def _check_group(x: torch.Tensor, members: list[list], split_k: int | None, block_k: int, readers_of_x: list,
-                 out_widths: list[int]) -> None:
-    """members: per-member lists (bases or weights, As, Bs, scalings); readers_of_x: the matrices applied to x."""
+                 out_widths: list[int], chunked: bool = False) -> None:
+    """members: per-member lists (bases or weights, As, Bs, scalings); readers_of_x: the matrices applied to x;
+    chunked: rows go to the kernels in chunks within their int32 offsets (`_row_chunks`)."""
     if not 1 <= len(members[0]) <= MAX_MEMBERS or any(len(m) != len(members[0]) for m in members):
         raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with one base, A, B and scaling each, got "
                          f"{', '.join(str(len(m)) for m in members)}")
@@ -236,7 +247,7 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int | None, bloc
     if any(width != x.shape[1] for width in widths):
         raise ValueError(f"every A (and weight) must read x's {x.shape[1]} input features, got {widths}")
     columns = max([x.shape[1], *out_widths])
-    if x.shape[0] * columns > MAX_OFFSET:
+    if x.shape[0] * columns > MAX_OFFSET and not chunked:
         raise ValueError(f"{x.shape[0]} rows x {columns} features exceed the kernels' int32 offsets")
 
 
@@ -244,6 +255,16 @@ def _check_group(x: torch.Tensor, members: list[list], split_k: int | None, bloc
 def _pdl(device: torch.device) -> bool:
     """Programmatic dependent launch of the expand launch: Hopper and later."""
     return _NATIVE_DOTS and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _row_chunks(x: torch.Tensor, widths: list[int], tuning: LoraTuning) -> list[slice]:
+    """x's rows in chunks within the kernels' int32 offsets: one chunk, except in the fixed tiling, where a row's
+    bits do not depend on its chunk."""
+    m = x.shape[0]
+    if not tuning.fixed_tiling:
+        return [slice(0, m)]
+    step = max(1, min(FIXED_CHUNK_ROWS, MAX_OFFSET // max([x.shape[1], *widths])))
+    return [slice(start, min(start + step, m)) for start in range(0, m, step)] or [slice(0, 0)]
 
 
 def _shrink_tiles(m: int, k: int, block_k: int, tuning: LoraTuning) -> tuple[int, int]:
@@ -258,6 +279,7 @@ def _fused_tiles(rows: int) -> tuple[int, int, int]:
     return min(64, max(16, triton.next_power_of_2(rows))), 32 if rows <= 16 else 64, 128 if rows <= 32 else 64
 
 
+
 def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
                 base_mode, tuning):
     """Shrink, then expand into outs, the base taken from bases (READ_BASE) or computed from weights and biases."""
@@ -270,7 +292,9 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         x = x.contiguous()
     ranks, widths = [a.shape[0] for a in lora_as], [out.shape[1] for out in outs]
     block_r = max(16, triton.next_power_of_2(max(ranks)))
-    block_m, default_split = _shrink_tiles(m, k, block_k, tuning)
+    fixed = bool(tuning.fixed_tiling)
+    block_m, default_split = ((tuning.fixed_block_m, tuning.shrink_split_k) if fixed
+                              else _shrink_tiles(m, k, block_k, tuning))
     split_k = default_split if split_k is None else split_k
     base_split_k, base_block_n = tuning.summed_base_split_k, tuning.summed_base_block_n
     if split_k % block_k or (base_mode == SUMMED_BASE and base_split_k % block_k):
@@ -282,7 +306,8 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     base_splits = triton.cdiv(k, base_split_k) if base_mode == SUMMED_BASE else 0
     base_partial = (torch.empty((base_splits, m, sum(widths)), dtype=torch.float32, device=x.device) if base_splits
                     else partial)                                    # unread without base splits
-    base_programs = base_splits * sum(triton.cdiv(n, base_block_n) for n in widths)
+    base_block_m = tuning.fixed_block_m if fixed else max(16, triton.next_power_of_2(m))
+    base_programs = base_splits * sum(triton.cdiv(n, base_block_n) for n in widths) * triton.cdiv(m, base_block_m)
     weights = weights or outs                                        # unread when absent
     pdl = _pdl(x.device)
     _shrink_kernel[(row_tiles * num_splits * len(outs) + base_programs,)](
@@ -290,8 +315,12 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         len(outs), *_padded(weights, weights[0]), *_padded(widths, 0), base_partial,
         COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, PDL=pdl, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BASE_SPLIT_K=base_split_k, BASE_BLOCK_N=base_block_n,
-        BASE_BLOCK_M=max(16, triton.next_power_of_2(m)) if base_splits else 16, num_warps=4)
-    block_m, block_n, block_k = _fused_tiles(m) if base_mode == GEMM_BASE else (block_m, tuning.expand_block_n, 16)
+        BASE_BLOCK_M=base_block_m if base_splits else 16, num_warps=4)
+    if base_mode == GEMM_BASE:
+        block_m, block_n, block_k = ((tuning.fixed_block_m, tuning.fixed_block_n, tuning.fixed_block_k) if fixed
+                                     else _fused_tiles(m))
+    else:
+        block_n, block_k = tuning.expand_block_n, 16
     column_tiles = sum(triton.cdiv(n, block_n) for n in widths)
     has_bias = biases is not None
     bases, biases = bases or outs, biases or outs                    # unread when absent
@@ -314,11 +343,14 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program (None: chosen by the
     row count), loaded block_k at a time (None: the tuning's; tile sizes only, swept by `benchmarks.lora_kernel`)."""
     block_k = tuning.shrink_block_k if block_k is None else block_k
-    _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as, [b.shape[-1] for b in bases])
+    widths = [b.shape[-1] for b in bases]
+    _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as, widths, tuning.fixed_tiling)
     bases = [_contiguous(base) for base in bases]
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
-    return _lora_group(x, outs, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
-                       READ_BASE, tuning)
+    for rows in _row_chunks(x, widths, tuning):
+        _lora_group(x[rows], [out[rows] for out in outs], [base[rows] for base in bases], None, None, lora_as,
+                    lora_bs, scalings, compute_dtype, split_k, block_k, READ_BASE, tuning)
+    return outs
 
 
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
@@ -329,11 +361,23 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     the weights' dtype (x's), as nn.Linear gives them. Up to the tuning's fused_base_max_rows rows and fused_base_max_k
     input features (gemm_base_max_k for groups of gemm_base_min_columns outputs) the kernel computes them, in the
     group's two launches; beyond, or for weights past the kernels' int32 offsets, torch does."""
-    _check_group(x, [weights, lora_as, lora_bs, scalings], None, tuning.shrink_block_k, lora_as + weights,
-                 [w.shape[0] for w in weights])
+    widths = [w.shape[0] for w in weights]
+    _check_group(x, [weights, lora_as, lora_bs, scalings], None, tuning.shrink_block_k, lora_as + weights, widths,
+                 tuning.fixed_tiling)
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
-    mode = GEMM_BASE if sum(w.shape[0] for w in weights) >= tuning.gemm_base_min_columns else SUMMED_BASE
+    if tuning.fixed_tiling:
+        if any(w.numel() > MAX_OFFSET for w in weights):
+            raise ValueError(f"weights of {max(w.numel() for w in weights)} elements exceed the kernels' int32 offsets")
+        weights, biases = [_contiguous(w) for w in weights], [_contiguous(b) for b in biases] or None
+        x = _contiguous(x)
+        outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
+        mode = GEMM_BASE if sum(widths) >= tuning.gemm_base_min_columns else SUMMED_BASE
+        for rows in _row_chunks(x, widths, tuning):
+            _lora_group(x[rows], [out[rows] for out in outs], None, weights, biases, lora_as, lora_bs, scalings,
+                        compute_dtype, None, tuning.shrink_block_k, mode, tuning)
+        return outs
+    mode = GEMM_BASE if sum(widths) >= tuning.gemm_base_min_columns else SUMMED_BASE
     max_k = tuning.gemm_base_max_k if mode == GEMM_BASE else tuning.fused_base_max_k
     if x.shape[0] > tuning.fused_base_max_rows or x.shape[1] > max_k or any(w.numel() > MAX_OFFSET for w in weights):
         bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
