@@ -158,11 +158,12 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
         if kept is not None:
             return kept
         members = {index: adapter}
+        kind = _base_kind(base, x) if tuning.fixed_tiling else None
         for other_index, other in enumerate(group.modules):
             other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning)
             same_dtypes = other_adapter is not None and other_adapter[0].dtype == adapter[0].dtype
             if same_dtypes and other_adapter[3] == adapter[3] and (
-                    not tuning.fixed_tiling or _base_kind(other.base_layer, x) == _base_kind(module.base_layer, x)):
+                    kind is None or _base_kind(other.base_layer, x) == kind):
                 members[other_index] = other_adapter
         lora = ([a[0] for a in members.values()], [a[1] for a in members.values()], [a[2] for a in members.values()])
         layers = [group.modules[i].base_layer for i in members]

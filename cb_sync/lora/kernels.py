@@ -360,34 +360,31 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     """`lora_add_group` over the bases x [M, K] @ weights[i] [N_i, K]^T (+ biases[i], all members or none) rounded to
     the weights' dtype (x's), as nn.Linear gives them. Up to the tuning's fused_base_max_rows rows and fused_base_max_k
     input features (gemm_base_max_k for groups of gemm_base_min_columns outputs) the kernel computes them, in the
-    group's two launches; beyond, or for weights past the kernels' int32 offsets, torch does."""
+    group's two launches; beyond, or for weights past the kernels' int32 offsets, torch does. In the fixed tiling
+    the kernel always does (weights past the offsets: ValueError)."""
     widths = [w.shape[0] for w in weights]
     _check_group(x, [weights, lora_as, lora_bs, scalings], None, tuning.shrink_block_k, lora_as + weights, widths,
                  tuning.fixed_tiling)
     if biases and len(biases) != len(weights):
         raise ValueError(f"biases for all {len(weights)} members or none, got {len(biases)}")
-    if tuning.fixed_tiling:
-        if any(w.numel() > MAX_OFFSET for w in weights):
-            raise ValueError(f"weights of {max(w.numel() for w in weights)} elements exceed the kernels' int32 offsets")
-        weights, biases = [_contiguous(w) for w in weights], [_contiguous(b) for b in biases] or None
-        x = _contiguous(x)
-        outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
-        mode = GEMM_BASE if sum(widths) >= tuning.gemm_base_min_columns else SUMMED_BASE
-        for rows in _row_chunks(x, widths, tuning):
-            _lora_group(x[rows], [out[rows] for out in outs], None, weights, biases, lora_as, lora_bs, scalings,
-                        compute_dtype, None, tuning.shrink_block_k, mode, tuning)
-        return outs
     mode = GEMM_BASE if sum(widths) >= tuning.gemm_base_min_columns else SUMMED_BASE
-    max_k = tuning.gemm_base_max_k if mode == GEMM_BASE else tuning.fused_base_max_k
-    if x.shape[0] > tuning.fused_base_max_rows or x.shape[1] > max_k or any(w.numel() > MAX_OFFSET for w in weights):
-        bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
-        # the new base tensors (checked by the test above) are this call's own: the kernel adds into them in place
-        return _lora_group(x, bases, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, None,
-                           tuning.shrink_block_k, READ_BASE, tuning)
+    oversized = any(w.numel() > MAX_OFFSET for w in weights)
+    if tuning.fixed_tiling:
+        if oversized:
+            raise ValueError(f"weights of {max(w.numel() for w in weights)} elements exceed the kernels' int32 offsets")
+    else:
+        max_k = tuning.gemm_base_max_k if mode == GEMM_BASE else tuning.fused_base_max_k
+        if x.shape[0] > tuning.fused_base_max_rows or x.shape[1] > max_k or oversized:
+            bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
+            # the new base tensors (checked by the test above) are this call's own: the kernel adds into them in place
+            return _lora_group(x, bases, bases, None, None, lora_as, lora_bs, scalings, compute_dtype, None,
+                               tuning.shrink_block_k, READ_BASE, tuning)
     weights, biases = [_contiguous(w) for w in weights], [_contiguous(b) for b in biases] or None
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=w.device) for w in weights]
-    return _lora_group(x, outs, None, weights, biases, lora_as, lora_bs, scalings, compute_dtype, None,
-                       tuning.shrink_block_k, mode, tuning)
+    for rows in _row_chunks(x, widths, tuning):
+        _lora_group(x[rows], [out[rows] for out in outs], None, weights, biases, lora_as, lora_bs, scalings,
+                    compute_dtype, None, tuning.shrink_block_k, mode, tuning)
+    return outs
 
 
 def lora_add(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
