@@ -11,6 +11,8 @@ from enum import Enum
 
 import torch
 
+from .gumbel_kernel import gumbel_argmax
+
 _MASK32 = 0xFFFFFFFF
 CANDIDATES = 64       # a row with 0 < top_k <= MAX_CANDIDATE_TOP_K filters the top CANDIDATES tokens only
 MAX_CANDIDATE_TOP_K = 32
@@ -135,11 +137,18 @@ def chosen_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
+def _kernel_draws(scores: torch.Tensor) -> bool:
+    return scores.is_cuda
+
+
 def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None,
                    vocab: int) -> torch.Tensor:
     """Index of max(scores + Gumbel noise) per row: a draw from softmax(scores). token_ids: the ids of scores'
     columns [S, N], None for the vocabulary in order. Where the columns are the whole vocabulary, each id is hashed
-    once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work."""
+    once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work. On CUDA, one
+    launch (`gumbel_kernel`) draws the same noise."""
+    if _kernel_draws(scores):
+        return gumbel_argmax(scores, batch.seeds, batch.positions, token_ids)
     n = scores.shape[1]
     if token_ids is not None and n != vocab:
         hashes = _token_hash(token_ids)

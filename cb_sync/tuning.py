@@ -53,6 +53,11 @@ class LoraTuning(_Ints):
     fixed_block_m: int = 32
     fixed_block_n: int = 64
     fixed_block_k: int = 128
+    # Triton launch options of the shrink launch (LoRA shrink tiles and split-K base programs) and the expand launch
+    shrink_warps: int = 4
+    shrink_stages: int = 3
+    expand_warps: int = 4
+    expand_stages: int = 3
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,15 @@ from cb_sync.sampling import (CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, Samp
 from conftest import make_model, random_prompts
 
 
+@pytest.fixture(params=["torch", "kernel"])
+def draw_path(request, monkeypatch):
+    """The draw in torch (the CPU's), or in the Triton kernel that CUDA runs (here through the interpreter)."""
+    import cb_sync.sampling as sampling
+    if request.param == "kernel":
+        monkeypatch.setattr(sampling, "_kernel_draws", lambda scores: True)
+    return request.param
+
+
 def _batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, candidates=False):
     """Sampling rows; candidates: the CANDIDATES sampler (else SORTED where filtered, SAMPLE otherwise)."""
     filtered = bool(top_k or top_p < 1 or min_p > 0)
@@ -69,7 +78,7 @@ def test_logprobs_are_of_temperature_scaled_softmax():
     torch.testing.assert_close(logprobs, expected)
 
 
-def test_seed_reproducible_and_batch_invariant():
+def test_seed_reproducible_and_batch_invariant(draw_path):
     model = make_model("qwen3")
     prompts = random_prompts([9, 20, 4, 33])
     params = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.5, top_k=40, seed=1234)
@@ -122,9 +131,9 @@ def test_noise_is_strictly_inside_the_unit_interval():
     assert 0 < u.min() and u.max() < 1
 
 
-def test_vocabulary_hashed_once_draws_the_same_noise():
-    """Rows over the whole vocabulary take the tokens' hashes from one table (in order, or gathered for sorted rows):
-    the noise, and so the draw, equal those of hashing every (row, token) pair."""
+def test_vocabulary_hashed_once_draws_the_same_noise(draw_path):
+    """Rows over the whole vocabulary take the tokens' hashes from one table (in order, or gathered for sorted rows),
+    and the kernel hashes them itself: the noise, and so the draw, equal those of hashing every (row, token) pair."""
     from cb_sync.sampling import _gumbel_argmax, uniform_noise
     rows, vocab = 5, 1000
     gen = torch.Generator().manual_seed(3)
@@ -142,6 +151,29 @@ def test_vocabulary_hashed_once_draws_the_same_noise():
         noise = uniform_noise(seeds, positions, ids)
         expected = (scores[:, :ids.shape[1]] - torch.log(-torch.log(noise))).argmax(dim=-1)
         assert torch.equal(_gumbel_argmax(scores[:, :ids.shape[1]], batch, given, vocab), expected)
+
+
+def test_kernel_draw_equals_torch_draw(monkeypatch):
+    """The Triton draw against torch's on fresh random rows: whole rows in several column blocks, token ids given,
+    rows masked to -inf, exact ties (the first column wins), negative and 64-bit seeds."""
+    import cb_sync.sampling as sampling
+    from cb_sync.gumbel_kernel import gumbel_argmax
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    for rows, columns, with_ids in ((6, 2500, False), (9, 64, True), (4, 1500, True)):
+        seeds = torch.randint(-2 ** 62, 2 ** 62, (rows,), generator=gen)
+        positions = torch.randint(0, 1 << 20, (rows,), generator=gen)
+        scores = torch.randn(rows, columns, generator=gen) * 3
+        scores[0, : columns // 2] = float("-inf")
+        scores[1] = 0.0                                          # the noise alone decides
+        scores[2] = float("-inf")
+        ids = torch.stack([torch.randperm(150_000, generator=gen)[:columns] for _ in range(rows)]) if with_ids else None
+        batch = _batch(rows, seeds=seeds, positions=positions)
+        expected = sampling._gumbel_argmax(scores, batch, ids, 150_000 if with_ids else columns)
+        assert torch.equal(gumbel_argmax(scores, seeds, positions, ids), expected)
+        assert expected[2] == 0
+    tied = torch.full((3, 300), float("-inf"))
+    tied[:, [5, 9]] = float("inf")                               # +inf plus any noise: a tie, the first column wins
+    assert gumbel_argmax(tied, torch.arange(3), torch.zeros(3, dtype=torch.int64), None).tolist() == [5, 5, 5]
 
 
 @pytest.mark.slow
@@ -171,9 +203,21 @@ def test_top_k_keeps_ties_like_hf():
 def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, top_p, min_p, bf16_logits):
     """A candidate row draws exactly what the filters over the whole sorted vocabulary draw (the noise is keyed by
     token id, ties are ordered by id on both paths), also with the many exact ties of bf16 logits."""
+    _check_candidates_against_sorted_vocabulary(512, 5000, temperature, top_k, top_p, min_p, bf16_logits)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.1, 5, 0.97, 0.5), (1.3, MAX_CANDIDATE_TOP_K, 0.9, 0.0)])
+def test_top_k_candidates_give_the_sorted_vocabulary_tokens_through_the_kernel(temperature, top_k, top_p, min_p,
+                                                                               monkeypatch):
+    """The same with both draws in the Triton kernel (fewer rows: it runs interpreted here)."""
+    import cb_sync.sampling as sampling
+    monkeypatch.setattr(sampling, "_kernel_draws", lambda scores: True)
+    _check_candidates_against_sorted_vocabulary(48, 2000, temperature, top_k, top_p, min_p, True)
+
+
+def _check_candidates_against_sorted_vocabulary(rows, vocab, temperature, top_k, top_p, min_p, bf16_logits):
     torch.manual_seed(0)
-    rows = 512
-    logits = torch.randn(rows, 5000) * 3
+    logits = torch.randn(rows, vocab) * 3
     if bf16_logits:
         logits = logits.bfloat16().float()
     for step in range(3):
@@ -212,7 +256,7 @@ def test_top_k_ties_past_the_candidates_are_flagged_and_sampled_from_the_whole_t
     assert len(set(tokens.tolist())) > CANDIDATES     # drawn beyond the first CANDIDATES tied tokens
 
 
-def test_a_row_draws_the_same_whatever_path_the_other_rows_need():
+def test_a_row_draws_the_same_whatever_path_the_other_rows_need(draw_path):
     """A candidate row next to a row that needs the sorted vocabulary (top_k 0) draws what it draws alone."""
     torch.manual_seed(0)
     logits = (torch.randn(2, 5000) * 3).bfloat16().float()
@@ -245,3 +289,26 @@ def test_candidate_rows_take_the_candidates_draw_when_the_batch_also_sorts(monke
     tokens, _, tied = sample(logits, batch)
     assert tied is None
     assert tokens.tolist() == [alone[0].item(), 0, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,with_ids", [(4, False), (64, False), (64, True)])
+def test_kernel_draw_equals_torch_draw_on_cuda(rows, with_ids, monkeypatch):
+    """On CUDA the kernel draws what torch's hash, logs and argmax draw, over the whole 151,936-token vocabulary (or
+    64 candidates of it): the same noise bits and CUDA's logf on both sides."""
+    import cb_sync.sampling as sampling
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    vocab = 151_936
+    columns = CANDIDATES if with_ids else vocab
+    scores = torch.randn(rows, columns, device="cuda", generator=gen) * 3
+    ids = torch.randperm(vocab, device="cuda", generator=gen)[:columns].expand(rows, -1) if with_ids else None
+    batch = _batch(rows, seeds=torch.randint(-2 ** 62, 2 ** 62, (rows,), device="cuda", generator=gen),
+                   positions=torch.randint(0, 4096, (rows,), device="cuda", generator=gen))
+    batch = SamplingBatch(**{f: getattr(batch, f).cuda() if torch.is_tensor(getattr(batch, f)) else getattr(batch, f)
+                             for f in batch.__dataclass_fields__})
+    for step in range(5):
+        batch.positions += 1
+        kernel = sampling._gumbel_argmax(scores, batch, ids, vocab)
+        monkeypatch.setattr(sampling, "_kernel_draws", lambda s: False)
+        assert torch.equal(kernel, sampling._gumbel_argmax(scores, batch, ids, vocab))
+        monkeypatch.undo()

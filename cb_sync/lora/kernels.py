@@ -315,7 +315,8 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         len(outs), *_padded(weights, weights[0]), *_padded(widths, 0), base_partial,
         COMPUTE=compute, X_IS_BF16=x.dtype == torch.bfloat16, NATIVE=_NATIVE_DOTS, PDL=pdl, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BASE_SPLIT_K=base_split_k, BASE_BLOCK_N=base_block_n,
-        BASE_BLOCK_M=base_block_m if base_splits else 16, num_warps=4)
+        BASE_BLOCK_M=base_block_m if base_splits else 16, num_warps=tuning.shrink_warps,
+        num_stages=tuning.shrink_stages)
     if base_mode == GEMM_BASE:
         block_m, block_n, block_k = ((tuning.fixed_block_m, tuning.fixed_block_n, tuning.fixed_block_k) if fixed
                                      else _fused_tiles(m))
@@ -330,7 +331,7 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         x, *_padded(weights, weights[0]), *_padded(biases, biases[0]), k, x.stride(0), base_partial, base_splits,
         COMPUTE=compute, NATIVE=_NATIVE_DOTS, PDL=pdl, BASE=base_mode, HAS_BIAS=has_bias,
         X_IS_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-        num_warps=4, launch_pdl=pdl)
+        num_warps=tuning.expand_warps, num_stages=tuning.expand_stages, launch_pdl=pdl)
     return outs
 
 
