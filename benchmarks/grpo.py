@@ -141,8 +141,10 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                                      compile=args.cb_compile, progress_bar=False,
                                      batch_invariant=args.cb_batch_invariant)
                 row["cb_batch_invariant"] = args.cb_batch_invariant
+                row["cb_group_by_length"] = args.cb_group_by_length
                 trainer = CBSyncGRPOTrainer(args=grpo_config(args, tmp, work), cb_config=cb_config,
-                                            release_after_rollout=not args.cb_keep_cache, **common)
+                                            release_after_rollout=not args.cb_keep_cache,
+                                            group_by_length=args.cb_group_by_length, **common)
                 trainer._generate_single_turn = remembered(trainer._generate_single_turn, last)
             elif backend == "trl_generate":
                 trainer = GRPOTrainer(args=grpo_config(args, tmp, work), **common)
@@ -305,6 +307,9 @@ def parse_args(argv=None):
                         help="CBConfig.max_batch_tokens (G 512, G2 2048)")
     parser.add_argument("--cb-keep-cache", action="store_true",
                         help="CBSyncGRPOTrainer(release_after_rollout=False): keep KV cache and graphs across steps")
+    parser.add_argument("--cb-group-by-length", action="store_true",
+                        help="CBSyncGRPOTrainer(group_by_length=True): micro-batches of similar lengths, logprob "
+                             "forwards without shared padding")
     parser.add_argument("--cb-batch-invariant", action="store_true",
                         help="CBConfig(batch_invariant=True): cb_sync's rollouts and its trainer's logprobs bit-equal "
                              "(uncompiled: not with --cb-compile)")

@@ -132,6 +132,14 @@ def test_tiny_g2_eos_live(tmp_path):
         assert text in table, text
 
 
+def test_tiny_g2_grouped_by_length(tmp_path):
+    row = grpo.main(["--tiny", "--workload", "G2", "--backends", "cb_sync", "--cb-group-by-length",
+                     "--out", str(tmp_path)])[0]
+    assert "error" not in row, row.get("error")
+    assert row["cb_group_by_length"] is True and [s["step"] for s in row["per_step"]] == [1, 2]
+    assert all(s["grad_norm"] > 0 for s in row["per_step"])
+
+
 def test_hook_probe_runs_g2_with_a_profiled_step(tmp_path):
     """benchmarks.grpo_hook on tiny G2: a row per trainer rollout (8 requests each) and per driver-alone call, the
     phases of every step, and the profiled step's tables."""

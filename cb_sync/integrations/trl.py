@@ -48,6 +48,7 @@ from ..config import CBConfig
 from ..driver import SyncCBDriver
 from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
+from .length_groups import by_length, padding_columns
 from .transformers import sampling_params_from_generation_config
 
 __all__ = ["CBSyncGRPOTrainer"]
@@ -60,10 +61,17 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     release_after_rollout: free the KV cache after every rollout so the training step gets the memory (True).
     importance_sampling_correction: apply TRL's importance-sampling correction with the generator's logprobs (False;
         the generator runs the trained weights, so the ratio is close to 1 up to kernel numerics).
-    log_logprob_diff: log the generator-vs-trainer logprob gap at every log (True; see the module's docstring)."""
+    log_logprob_diff: log the generator-vs-trainer logprob gap at every log (True; see the module's docstring).
+    group_by_length: micro-batches of completions of similar lengths, and every logprob forward without the columns
+        that are padding in all its rows (False). TRL pads a rollout's rows to its longest prompt and completion, so
+        with varied lengths most of a forward is padding. The micro-batches of one rollout then make one optimizer
+        step in another grouping of the same rows: needs num_iterations=1, steps_per_generation equal to
+        gradient_accumulation_steps, a loss_type other than "bnpo" (which normalises per micro-batch) and
+        top_entropy_quantile=1 (a per-micro-batch quantile); ValueError otherwise."""
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool = True,
-                 importance_sampling_correction: bool = False, log_logprob_diff: bool = True, **kwargs):
+                 importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
+                 group_by_length: bool = False, **kwargs):
         if cb_config is not None and not isinstance(cb_config, CBConfig):
             raise ValueError(f"cb_config must be a CBConfig, got {type(cb_config).__name__}")
         grpo_args = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments.get("args")
@@ -75,6 +83,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.release_after_rollout = release_after_rollout
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
+        self.group_by_length = group_by_length
+        if group_by_length:
+            _check_length_groups(self)
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
         self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
@@ -127,6 +138,14 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             if self.release_after_rollout and self._cb_driver is not None:
                 self._cb_driver.release(keep_graphs=True)
 
+    def _prepare_inputs(self, generation_batch):
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.group_by_length and self.model.training and self._buffered_inputs is not buffered:
+            self._buffered_inputs = by_length(self._buffered_inputs)      # a new rollout's micro-batches
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
     def training_step(self, *args, **kwargs):
         if not self.cb_config.batch_invariant:
             return super().training_step(*args, **kwargs)
@@ -171,13 +190,46 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             self._gap_batch = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        compute = self._invariant_logps_and_entropies if self.cb_config.batch_invariant else \
-            super()._get_per_token_logps_and_entropies
+        if self.cb_config.batch_invariant:
+            compute = self._invariant_logps_and_entropies
+        else:
+            compute = self._trimmed_logps_and_entropies if self.group_by_length else \
+                super()._get_per_token_logps_and_entropies
         out = compute(*args, **kwargs)
         batch, self._gap_batch = self._gap_batch, None
         if batch is not None:
             self._add_logprob_gap(out[0].detach(), batch)
         return out
+
+    def _trimmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                     compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's `_get_per_token_logps_and_entropies`, each chunk of rows without the columns that are padding in all of
+        them (the outputs zero there); without gradients the chunks take the rows in order of length."""
+        trl_forward = super()._get_per_token_logps_and_entropies
+        if compute_aux_loss or any(value is not None for value in multimodal.values()):
+            return trl_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                               compute_aux_loss, **multimodal)
+        rows = input_ids.size(0)
+        batch_size = batch_size or rows
+        by_length = batch_size < rows and not torch.is_grad_enabled()
+        order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if by_length
+                 else torch.arange(rows, device=input_ids.device))
+        logps, entropies = [], []
+        for start in range(0, rows, batch_size):
+            chunk = order[start:start + batch_size]
+            mask = attention_mask[chunk]
+            leading, trailing = padding_columns(mask, logits_to_keep)
+            columns = slice(leading, input_ids.size(1) - trailing)
+            chunk_logps, chunk_entropies, _ = trl_forward(model, input_ids[chunk, columns], mask[:, columns],
+                                                          logits_to_keep - trailing, compute_entropy=compute_entropy)
+            logps.append(torch.nn.functional.pad(chunk_logps, (0, trailing)))
+            if compute_entropy:
+                entropies.append(torch.nn.functional.pad(chunk_entropies, (0, trailing)))
+        logps, entropies = torch.cat(logps), torch.cat(entropies) if compute_entropy else None
+        if by_length:
+            unsorted = torch.argsort(order)
+            logps, entropies = logps[unsorted], entropies[unsorted] if compute_entropy else None
+        return logps, entropies, None
 
     def _invariant_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                        compute_entropy=False, compute_aux_loss=False, **multimodal):
@@ -225,6 +277,21 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
             metrics["sampling/ratio_outside_0.9_1.1"].append(outside.float().mean().item())
         super().log(logs, start_time)
+
+
+def _check_length_groups(trainer: CBSyncGRPOTrainer) -> None:
+    """group_by_length regroups one rollout's rows among the micro-batches of one optimizer step."""
+    args = trainer.args
+    wrong = [f"{name}={value!r}" for name, value, ok in (
+        ("num_iterations", trainer.num_iterations, trainer.num_iterations == 1),
+        ("steps_per_generation", args.steps_per_generation,
+         args.steps_per_generation == args.gradient_accumulation_steps),
+        ("loss_type", trainer.loss_type, trainer.loss_type != "bnpo"),
+        ("top_entropy_quantile", trainer.top_entropy_quantile, trainer.top_entropy_quantile == 1.0)) if not ok]
+    if wrong:
+        raise ValueError("group_by_length=True needs num_iterations=1, steps_per_generation equal to "
+                         f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), a loss_type other than "
+                         f"'bnpo' and top_entropy_quantile=1.0, got {', '.join(wrong)}")
 
 
 def _check_invariant_training(model: torch.nn.Module) -> None:

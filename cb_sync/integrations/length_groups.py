@@ -1,0 +1,51 @@
+"""GRPO forwards with less padding. TRL pads a whole generation batch to its longest prompt and its longest completion,
+then cuts it into micro-batches, so every forward of the loss is as wide as the longest sequence of the rollout (with
+lengths as varied as GRPO's, about twice the real tokens). `by_length` regroups the rows so that each micro-batch holds
+completions of similar lengths; `padding_columns` finds the columns of one forward's rows that are padding in all of
+them, which the forward can then skip."""
+
+from __future__ import annotations
+
+import torch
+
+
+def by_length(micro_batches: list[dict]) -> list[dict]:
+    """The rows of equal-size micro-batches (TRL's split of one generation batch: dicts of [rows, ...] tensors, lists,
+    and values shared by all, such as scalars and None), regrouped in order of completion length, then prompt length:
+    the same rows, the same micro-batch sizes, every micro-batch's values in one row order."""
+    size = len(micro_batches[0]["completion_mask"])
+    merged = {key: _joined([batch[key] for batch in micro_batches]) for key in micro_batches[0]}
+    completion, prompt = merged["completion_mask"].sum(1), merged["prompt_mask"].sum(1)
+    order = torch.argsort(completion * (merged["prompt_mask"].shape[1] + 1) + prompt, stable=True).cpu()
+    return [{key: _rows(value, order[start:start + size]) for key, value in merged.items()}
+            for start in range(0, len(order), size)]
+
+
+def padding_columns(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int]:
+    """(leading, trailing): how many first and last columns of attention_mask [B, T] (prompts left-padded, then the
+    last logits_to_keep columns of completions, right-padded) are padding in every row. Leading ones stop before the
+    prompt's last column, whose logits score the first completion token; trailing ones leave one completion column."""
+    used = attention_mask.bool().any(0).nonzero()
+    if used.numel() == 0:
+        return 0, 0
+    width = attention_mask.shape[1]
+    leading = min(int(used[0]), width - logits_to_keep - 1)
+    trailing = min(width - 1 - int(used[-1]), logits_to_keep - 1)
+    return max(leading, 0), max(trailing, 0)
+
+
+def _joined(values: list):
+    first = values[0]
+    if isinstance(first, torch.Tensor) and first.ndim > 0:
+        return torch.cat(values)
+    if isinstance(first, list):
+        return [item for value in values for item in value]
+    return first
+
+
+def _rows(value, index: torch.Tensor):
+    if isinstance(value, torch.Tensor) and value.ndim > 0:
+        return value[index.to(value.device)]
+    if isinstance(value, list):
+        return [value[i] for i in index.tolist()]
+    return value

@@ -1,0 +1,130 @@
+"""GRPO micro-batches grouped by length, forwards without shared padding (`group_by_length=True`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from cb_sync import CBConfig
+from cb_sync.integrations.length_groups import by_length, padding_columns
+from cb_sync.integrations.trl import CBSyncGRPOTrainer
+
+from test_integration_trl import dataset, even_fraction, grpo_args, logged, tiny_model, tokenizer
+
+
+def _padded_rows(prompt_lengths, completion_lengths, prompt_width, completion_width, gen):
+    """Left-padded prompts and right-padded completions of random tokens with these lengths."""
+    rows = len(prompt_lengths)
+    prompt_mask = (torch.arange(prompt_width) >= prompt_width - torch.tensor(prompt_lengths)[:, None]).long()
+    completion_mask = (torch.arange(completion_width) < torch.tensor(completion_lengths)[:, None]).long()
+    return {"prompt_ids": torch.randint(3, 100, (rows, prompt_width), generator=gen) * prompt_mask,
+            "prompt_mask": prompt_mask,
+            "completion_ids": torch.randint(3, 100, (rows, completion_width), generator=gen) * completion_mask,
+            "completion_mask": completion_mask}
+
+
+def test_by_length_regroups_the_same_rows_in_order_of_length():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    rows, size = 12, 4
+    prompts = torch.randint(1, 7, (rows,), generator=gen).tolist()
+    completions = torch.randint(0, 9, (rows,), generator=gen).tolist()
+    batch = _padded_rows(prompts, completions, 6, 8, gen)
+    batch["row"] = torch.arange(rows)
+    batch["ref_per_token_logps"] = torch.arange(rows)[:, None] * 100.0 + torch.arange(8)
+    batch["names"] = [f"r{i}" for i in range(rows)]
+    micro_batches = [{**{key: value[i:i + size] for key, value in batch.items()},
+                      "num_items_in_batch": torch.tensor(sum(completions)), "old_per_token_logps": None}
+                     for i in range(0, rows, size)]
+    grouped = by_length(micro_batches)
+
+    assert [len(b["row"]) for b in grouped] == [size] * 3
+    order = torch.cat([b["row"] for b in grouped])
+    assert sorted(order.tolist()) == list(range(rows))
+    keys = [(completions[r], prompts[r]) for r in order.tolist()]
+    assert keys == sorted(keys)
+    for b in grouped:                             # every value follows its row
+        for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "ref_per_token_logps"):
+            assert torch.equal(b[key], batch[key][b["row"]])
+        assert b["names"] == [f"r{r}" for r in b["row"].tolist()]
+        assert b["num_items_in_batch"] == sum(completions) and b["old_per_token_logps"] is None
+
+
+def test_padding_columns_keep_the_scored_columns():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0],
+                         [0, 0, 0, 1, 1, 0, 0, 0]])
+    assert padding_columns(mask, 4) == (2, 2)       # prompt: columns 0-3, completion: 4-7
+    assert padding_columns(mask, 1) == (2, 0)       # one completion column: nothing trailing to cut
+    assert padding_columns(torch.ones(2, 8), 4) == (0, 0)
+    left = torch.tensor([[0, 0, 0, 0, 1, 0]])       # an empty prompt row
+    assert padding_columns(left, 2) == (3, 1)       # the prompt's last column stays: it scores the first token
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    return CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                             args=grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                            max_steps=2),
+                             train_dataset=dataset(), processing_class=tokenizer(),
+                             cb_config=CBConfig(block_size=4, max_batch_tokens=64), group_by_length=True)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_trimmed_forward_equals_trl_forward_on_real_tokens(trainer, grad):
+    """Against TRL's forward over the padded rows: the same logprobs and entropies on completion tokens (fp32; the
+    trimmed prompts sit at other absolute positions, which rotary embeddings leave the same up to rounding), zeros
+    on padding; chunks in order of length without gradients, gradients with them."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    rows = 10
+    batch = _padded_rows(torch.randint(1, 9, (rows,), generator=gen).tolist(),
+                         torch.randint(1, 12, (rows,), generator=gen).tolist(), 12, 16, gen)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    model = trainer.model
+    with torch.set_grad_enabled(grad):
+        expected = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, 16, batch_size=4,
+                                                                 compute_entropy=True)
+        got = trainer._get_per_token_logps_and_entropies(model, ids, mask, 16, batch_size=None if grad else 4,
+                                                         compute_entropy=True)
+    real = batch["completion_mask"].bool()
+    for want, have in zip(expected[:2], got[:2]):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have[real], want[real], atol=2e-5, rtol=1e-5)
+    assert (got[0][~real] == 0).sum() > 0 and got[1].requires_grad == grad
+    if grad:
+        got[0][real].sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_grouped_training_sees_sorted_micro_batches_and_forwards_without_shared_padding(trainer, monkeypatch):
+    seen, forwards = [], []
+    loss, trl_forward = trainer._compute_loss, GRPOTrainer._get_per_token_logps_and_entropies
+
+    def recording(model, inputs):
+        seen.append((trainer.state.global_step, list(zip(inputs["completion_mask"].sum(1).tolist(),
+                                                          inputs["prompt_mask"].sum(1).tolist()))))
+        return loss(model, inputs)
+
+    def recording_forward(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        forwards.append(padding_columns(attention_mask, logits_to_keep))
+        return trl_forward(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    trainer._compute_loss = recording
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recording_forward)
+    trainer.train()
+    for step in range(2):     # both micro-batches of a step, by completion then prompt length
+        keys = [key for s, batch in seen if s == step for key in batch]
+        assert len(keys) == 8 and keys == sorted(keys)
+        assert len({prompt for _, prompt in keys}) > 1
+    assert len(forwards) >= 4 and all(columns == (0, 0) for columns in forwards)   # nothing left to trim
+    assert all(g > 0 for g in logged(trainer, "grad_norm"))
+
+
+@pytest.mark.parametrize("bad", [dict(steps_per_generation=4), dict(loss_type="bnpo"), dict(num_iterations=2),
+                                 dict(top_entropy_quantile=0.5)])
+def test_group_by_length_refuses_settings_that_regrouping_changes(tmp_path, bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                          args=grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, **bad),
+                          train_dataset=dataset(), processing_class=tokenizer(), group_by_length=True)
