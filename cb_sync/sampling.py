@@ -138,7 +138,8 @@ def chosen_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_draws(scores: torch.Tensor) -> bool:
-    return scores.is_cuda
+    """Whether `gumbel_kernel` draws: on NVIDIA GPUs, where its log is CUDA's logf, as torch's."""
+    return scores.is_cuda and torch.version.hip is None
 
 
 def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None,

@@ -158,7 +158,8 @@ def test_kernel_draw_equals_torch_draw(monkeypatch):
     rows masked to -inf, exact ties (the first column wins), negative and 64-bit seeds."""
     import cb_sync.sampling as sampling
     from cb_sync.gumbel_kernel import gumbel_argmax
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    seed = int(torch.randint(0, 2 ** 31, ()))
+    gen = torch.Generator().manual_seed(seed)
     for rows, columns, with_ids in ((6, 2500, False), (9, 64, True), (4, 1500, True)):
         seeds = torch.randint(-2 ** 62, 2 ** 62, (rows,), generator=gen)
         positions = torch.randint(0, 1 << 20, (rows,), generator=gen)
@@ -166,11 +167,12 @@ def test_kernel_draw_equals_torch_draw(monkeypatch):
         scores[0, : columns // 2] = float("-inf")
         scores[1] = 0.0                                          # the noise alone decides
         scores[2] = float("-inf")
+        scores[3, [columns // 3, columns - 1]] = float("nan")     # torch.argmax: the first NaN
         ids = torch.stack([torch.randperm(150_000, generator=gen)[:columns] for _ in range(rows)]) if with_ids else None
         batch = _batch(rows, seeds=seeds, positions=positions)
         expected = sampling._gumbel_argmax(scores, batch, ids, 150_000 if with_ids else columns)
-        assert torch.equal(gumbel_argmax(scores, seeds, positions, ids), expected)
-        assert expected[2] == 0
+        assert torch.equal(gumbel_argmax(scores, seeds, positions, ids), expected), f"seed {seed}"
+        assert expected[2] == 0 and expected[3] == columns // 3
     tied = torch.full((3, 300), float("-inf"))
     tied[:, [5, 9]] = float("inf")                               # +inf plus any noise: a tie, the first column wins
     assert gumbel_argmax(tied, torch.arange(3), torch.zeros(3, dtype=torch.int64), None).tolist() == [5, 5, 5]
@@ -312,3 +314,21 @@ def test_kernel_draw_equals_torch_draw_on_cuda(rows, with_ids, monkeypatch):
         monkeypatch.setattr(sampling, "_kernel_draws", lambda s: False)
         assert torch.equal(kernel, sampling._gumbel_argmax(scores, batch, ids, vocab))
         monkeypatch.undo()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_kernel_noise_has_torch_bits_on_cuda(with_ids):
+    """Scores equal to torch's log(-log(u)) make every noisy score exactly 0 in torch, so its draw is column 0; the
+    kernel draws column 0 only if no column's log(-log(u)) came out below torch's (CUDA's logf on both sides)."""
+    from cb_sync.gumbel_kernel import gumbel_argmax
+    from cb_sync.sampling import uniform_noise
+    rows, vocab = 8, 151_936
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (rows,), device="cuda", generator=gen)
+    positions = torch.randint(0, 4096, (rows,), device="cuda", generator=gen)
+    ids = torch.stack([torch.randperm(vocab, device="cuda", generator=gen) for _ in range(rows)]) if with_ids else None
+    scores = torch.log(-torch.log(uniform_noise(seeds, positions, torch.arange(vocab, device="cuda")[None]
+                                                if ids is None else ids)))
+    assert torch.equal(gumbel_argmax(scores, seeds, positions, ids), torch.zeros(rows, dtype=torch.int64,
+                                                                                 device="cuda"))

@@ -63,11 +63,12 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         the generator runs the trained weights, so the ratio is close to 1 up to kernel numerics).
     log_logprob_diff: log the generator-vs-trainer logprob gap at every log (True; see the module's docstring).
     group_by_length: micro-batches of completions of similar lengths, and every logprob forward without the columns
-        that are padding in all its rows (False). TRL pads a rollout's rows to its longest prompt and completion, so
-        with varied lengths most of a forward is padding. The micro-batches of one rollout then make one optimizer
-        step in another grouping of the same rows: needs num_iterations=1, steps_per_generation equal to
-        gradient_accumulation_steps, a loss_type other than "bnpo" (which normalises per micro-batch) and
-        top_entropy_quantile=1 (a per-micro-batch quantile); ValueError otherwise."""
+        that are padding in all its rows (False; batch-invariant forwards skip padding themselves). TRL pads a
+        rollout's rows to its longest prompt and completion, so with varied lengths most of a forward is padding. The
+        micro-batches of one rollout then make one optimizer step in another grouping of the same rows: needs
+        num_iterations=1, steps_per_generation equal to gradient_accumulation_steps, and no term averaged per
+        micro-batch (loss_type "bnpo", top_entropy_quantile < 1, an entropy bonus, an MoE aux loss); ValueError
+        otherwise. Per-micro-batch metrics (entropy, clip ratios) then average over groups of similar lengths."""
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool = True,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
@@ -211,8 +212,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                                compute_aux_loss, **multimodal)
         rows = input_ids.size(0)
         batch_size = batch_size or rows
-        by_length = batch_size < rows and not torch.is_grad_enabled()
-        order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if by_length
+        sort_rows = batch_size < rows and not torch.is_grad_enabled()
+        order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if sort_rows
                  else torch.arange(rows, device=input_ids.device))
         logps, entropies = [], []
         for start in range(0, rows, batch_size):
@@ -226,7 +227,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             if compute_entropy:
                 entropies.append(torch.nn.functional.pad(chunk_entropies, (0, trailing)))
         logps, entropies = torch.cat(logps), torch.cat(entropies) if compute_entropy else None
-        if by_length:
+        if sort_rows:
             unsorted = torch.argsort(order)
             logps, entropies = logps[unsorted], entropies[unsorted] if compute_entropy else None
         return logps, entropies, None
@@ -287,11 +288,15 @@ def _check_length_groups(trainer: CBSyncGRPOTrainer) -> None:
         ("steps_per_generation", args.steps_per_generation,
          args.steps_per_generation == args.gradient_accumulation_steps),
         ("loss_type", trainer.loss_type, trainer.loss_type != "bnpo"),
-        ("top_entropy_quantile", trainer.top_entropy_quantile, trainer.top_entropy_quantile == 1.0)) if not ok]
+        ("top_entropy_quantile", trainer.top_entropy_quantile, trainer.top_entropy_quantile == 1.0),
+        ("entropy_coef", trainer.entropy_coef, not trainer._entropy_bonus_enabled),
+        ("use_adaptive_entropy", trainer.use_adaptive_entropy, not trainer.use_adaptive_entropy),
+        ("router_aux_loss_coef", trainer.router_aux_loss_coef, not trainer.aux_loss_enabled)) if not ok]
     if wrong:
         raise ValueError("group_by_length=True needs num_iterations=1, steps_per_generation equal to "
                          f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), a loss_type other than "
-                         f"'bnpo' and top_entropy_quantile=1.0, got {', '.join(wrong)}")
+                         "'bnpo', top_entropy_quantile=1.0, no entropy bonus and no MoE aux loss (each averaged per "
+                         f"micro-batch), got {', '.join(wrong)}")
 
 
 def _check_invariant_training(model: torch.nn.Module) -> None:
