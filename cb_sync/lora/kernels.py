@@ -279,7 +279,6 @@ def _fused_tiles(rows: int) -> tuple[int, int, int]:
     return min(64, max(16, triton.next_power_of_2(rows))), 32 if rows <= 16 else 64, 128 if rows <= 32 else 64
 
 
-
 def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, compute_dtype, split_k, block_k,
                 base_mode, tuning):
     """Shrink, then expand into outs, the base taken from bases (READ_BASE) or computed from weights and biases."""
