@@ -142,11 +142,9 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                                      batch_invariant=args.cb_batch_invariant)
                 row["cb_batch_invariant"] = args.cb_batch_invariant
                 row["cb_group_by_length"] = args.cb_group_by_length
-                row["cb_peft_training"] = args.cb_peft_training
                 trainer = CBSyncGRPOTrainer(args=grpo_config(args, tmp, work), cb_config=cb_config,
                                             release_after_rollout=not args.cb_keep_cache,
-                                            group_by_length=args.cb_group_by_length,
-                                            lora_kernels_in_training=not args.cb_peft_training, **common)
+                                            group_by_length=args.cb_group_by_length, **common)
                 trainer._generate_single_turn = remembered(trainer._generate_single_turn, last)
             elif backend == "trl_generate":
                 trainer = GRPOTrainer(args=grpo_config(args, tmp, work), **common)
@@ -312,8 +310,6 @@ def parse_args(argv=None):
     parser.add_argument("--cb-group-by-length", action="store_true",
                         help="CBSyncGRPOTrainer(group_by_length=True): micro-batches of similar lengths, logprob "
                              "forwards without shared padding")
-    parser.add_argument("--cb-peft-training", action="store_true",
-                        help="CBSyncGRPOTrainer(lora_kernels_in_training=False): PEFT's own LoRA forward in training")
     parser.add_argument("--cb-batch-invariant", action="store_true",
                         help="CBConfig(batch_invariant=True): cb_sync's rollouts and its trainer's logprobs bit-equal "
                              "(uncompiled: not with --cb-compile)")

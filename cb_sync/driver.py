@@ -108,7 +108,7 @@ class SyncCBDriver:
         check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity)
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
-        lora_tuning = self.lora_tuning()
+        lora_tuning = self._lora_tuning()
         with generation_mode(self.model) as modules, lora_kernels(self.model, lora_tuning is not None, modules,
                                                                    lora_tuning or cfg.tuning.lora), self._ops(), tqdm(
                 total=sum(r.params.max_new_tokens for r in requests), unit="tok", desc="cb_sync",
@@ -119,9 +119,8 @@ class SyncCBDriver:
             self._run(requests, bar)
         return [GenerationResult.of(r) for r in requests]
 
-    def lora_tuning(self) -> LoraTuning | None:
-        """The LoRA kernels' tuning of this driver's calls (a trainer's forwards take it too), None where PEFT's own
-        forward runs."""
+    def _lora_tuning(self) -> LoraTuning | None:
+        """The LoRA kernels' tuning for this call, None where PEFT's own forward runs."""
         cfg = self.config
         if cfg.batch_invariant:
             return invariant_tuning(cfg.lora_kernels, cfg.tuning.lora, self.device)

@@ -50,7 +50,7 @@ def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning
         # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
         leaves = [m for m in modules if not m._modules]
         with (forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops(),
-              lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning, gradients=True)):
+              lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning)):
             yield
     finally:
         config._attn_implementation = previous

@@ -134,9 +134,9 @@ def test_tiny_g2_eos_live(tmp_path):
 
 def test_tiny_g2_grouped_by_length(tmp_path):
     row = grpo.main(["--tiny", "--workload", "G2", "--backends", "cb_sync", "--cb-group-by-length",
-                     "--cb-peft-training", "--out", str(tmp_path)])[0]
+                     "--out", str(tmp_path)])[0]
     assert "error" not in row, row.get("error")
-    assert row["cb_group_by_length"] is True and row["cb_peft_training"] is True and [s["step"] for s in row["per_step"]] == [1, 2]
+    assert row["cb_group_by_length"] is True and [s["step"] for s in row["per_step"]] == [1, 2]
     assert all(s["grad_norm"] > 0 for s in row["per_step"])
 
 

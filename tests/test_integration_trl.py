@@ -275,36 +275,6 @@ def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, b
         assert all(g > 0 for g in logged(trainer, "grad_norm"))
 
 
-def test_training_forward_runs_the_lora_kernel_with_pefts_loss_and_gradients(tmp_path, monkeypatch):
-    """Where the driver runs the LoRA kernel (Triton backend; interpreted here), the training step's LoRA projections
-    run it too, through the differentiable op, in the loss's forward and in gradient checkpointing's recompute; the
-    step's gradient norm is PEFT's (lora_kernels_in_training=False) up to fp32 rounding (the first step's loss is 0
-    here either way: importance ratios of 1, completions of one length, advantages that sum to 0)."""
-    from peft import LoraConfig
-
-    from cb_sync.lora import fast_forward
-
-    calls = []
-    op = fast_forward.lora_linear
-    monkeypatch.setattr(fast_forward, "lora_linear", lambda *args, **kwargs: calls.append(1) or op(*args, **kwargs))
-    peft_config = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
-                             init_lora_weights=False)   # B != 0: every adapter weight has a gradient at step 1
-    logs = {}
-    for in_training in (True, False):
-        calls.clear()
-        trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
-                                    args=grpo_args(tmp_path, max_steps=1), train_dataset=dataset(), processing_class=tokenizer(), peft_config=peft_config,
-                                    cb_config=CBConfig(attn_backend="triton", block_size=8),
-                                    lora_kernels_in_training=in_training)
-        assert trainer.args.gradient_checkpointing
-        trainer.train()
-        logs[in_training] = logged(trainer, "grad_norm"), len(calls)
-    (kernel_logs, kernel_calls), (peft_logs, peft_calls) = logs[True], logs[False]
-    assert kernel_calls == 2 * 2 * 3 and peft_calls == 0     # 2 layers x 3 projections, forward and recompute
-    assert len(kernel_logs) == 1 and kernel_logs[0] > 0
-    torch.testing.assert_close(kernel_logs, peft_logs, rtol=1e-5, atol=0.0)
-
-
 def test_batch_invariant_training_refuses_dropout(tmp_path):
     from peft import LoraConfig
 

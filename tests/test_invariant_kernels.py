@@ -124,7 +124,7 @@ def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(autocast, 
     with context():
         expected = layer(x.requires_grad_())             # PEFT's own forward and autograd
         expected_grads = torch.autograd.grad(expected, [x, *params], grad)
-        with lora_kernels(model, tuning=tuning, gradients=True), invariant_ops():
+        with lora_kernels(model, tuning=tuning), invariant_ops():
             with torch.no_grad():
                 generator = layer(x)
             out = layer(x)

@@ -416,43 +416,6 @@ def test_inputs_that_want_gradients_and_fp64_keep_peft_forward(spy):
     assert spy == []
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_trainer_forward_with_gradients_runs_the_kernel_with_pefts_gradients(autocast, spy):
-    """lora_kernels(..., gradients=True), the trainer's: a forward that wants gradients runs torch's base GEMM plus
-    the kernel's LoRA (the base never in the kernel), each projection alone (no sibling output kept for later), with
-    PEFT's outputs and gradients for x, A and B; fp32 adapters under fp16 autocast as accelerate runs a 16-bit model
-    (fp16: the interpreter truncates bf16). Row counts the tuning leaves to PEFT keep PEFT's forward."""
-    model = _peft_projections().train()
-    inner = model.base_model.model
-    params = [p for name, p in model.named_parameters() if p.requires_grad and "v_proj" not in name]
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 9, 64, generator=gen).to(DEVICE).requires_grad_()
-    grad = torch.randn(2, 9, 32, generator=gen).to(DEVICE)
-    device_type = "cuda" if DEVICE == "cuda" else "cpu"
-    context = (lambda: torch.autocast(device_type, dtype=torch.float16)) if autocast else torch.enable_grad
-    with context():
-        expected_q = inner.q_proj(x)
-        expected = expected_q + inner.k_proj(x)
-        expected_grads = torch.autograd.grad(expected, [x, *params], grad)
-        assert spy == []
-        with lora_kernels(model, gradients=True):
-            q = inner.q_proj(x)
-            out = q + inner.k_proj(x)
-            grads = torch.autograd.grad(out, [x, *params], grad)
-            assert spy == [18, 18] and spy.modes == [kernels.READ_BASE] * 2
-        with lora_kernels(model, tuning=LoraTuning(host_bound_min_rows=1), gradients=True):
-            inner.q_proj(x).sum().backward()
-        assert len(spy) == 2                   # 18 rows are left to PEFT by this tuning
-    tolerance = dict(rtol=2e-3, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-5)
-    assert out.grad_fn is not None and out.dtype == expected.dtype
-    torch.testing.assert_close(q.detach(), expected_q.detach(), **tolerance)
-    torch.testing.assert_close(out.detach(), expected.detach(), **tolerance)
-    assert len(grads) == 1 + 4 and all(g.abs().sum() > 0 for g in grads)   # x; A and B of q and k
-    for got, want in zip(grads, expected_grads):
-        assert got.dtype == want.dtype
-        torch.testing.assert_close(got, want, **tolerance)
-
-
 def test_layer_probe_variants_set_a_tuning_and_restore_the_launch_mode():
     """`benchmarks.lora_layers` variants ("kernels:name=V,PDL=0") give a tuning; PDL=0 turns programmatic dependent
     launch off only inside their block."""

@@ -48,7 +48,6 @@ from ..config import CBConfig
 from ..driver import SyncCBDriver
 from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
-from ..lora import lora_kernels
 from .length_groups import by_length, padding_columns
 from .transformers import sampling_params_from_generation_config
 
@@ -69,15 +68,11 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         micro-batches of one rollout then make one optimizer step in another grouping of the same rows: needs
         num_iterations=1, steps_per_generation equal to gradient_accumulation_steps, and no term averaged per
         micro-batch (loss_type "bnpo", top_entropy_quantile < 1, an entropy bonus, an MoE aux loss); ValueError
-        otherwise. Per-micro-batch metrics (entropy, clip ratios) then average over groups of similar lengths.
-    lora_kernels_in_training: the training step's LoRA projections (forward, and its recompute under gradient
-        checkpointing) run the generator's LoRA kernel through a differentiable op, where the driver runs it and at
-        the row counts it serves (True). PEFT's forward under autocast copies each input to its fp32 adapters' dtype
-        and back; the op computes the same products in the autocast dtype, with PEFT's gradients. False: PEFT's."""
+        otherwise. Per-micro-batch metrics (entropy, clip ratios) then average over groups of similar lengths."""
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool = True,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
-                 group_by_length: bool = False, lora_kernels_in_training: bool = True, **kwargs):
+                 group_by_length: bool = False, **kwargs):
         if cb_config is not None and not isinstance(cb_config, CBConfig):
             raise ValueError(f"cb_config must be a CBConfig, got {type(cb_config).__name__}")
         grpo_args = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments.get("args")
@@ -90,7 +85,6 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
         self.group_by_length = group_by_length
-        self.lora_kernels_in_training = lora_kernels_in_training
         if group_by_length:
             _check_length_groups(self)
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
@@ -154,14 +148,11 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         return inputs
 
     def training_step(self, *args, **kwargs):
-        # gradient checkpointing recomputes the forward during backward: there too through the same path
-        cfg, model = self.cb_config, self.accelerator.unwrap_model(self.model)
-        if cfg.batch_invariant:
-            context = invariant_training(model, cfg.lora_kernels, cfg.tuning.lora)
-        else:
-            tuning = self.cb_driver.lora_tuning() if self.lora_kernels_in_training else None
-            context = lora_kernels(model, tuning is not None, tuning=tuning or cfg.tuning.lora, gradients=True)
-        with context:
+        if not self.cb_config.batch_invariant:
+            return super().training_step(*args, **kwargs)
+        # gradient checkpointing recomputes the forward during backward: there too through the invariant path
+        cfg = self.cb_config
+        with invariant_training(self.accelerator.unwrap_model(self.model), cfg.lora_kernels, cfg.tuning.lora):
             return super().training_step(*args, **kwargs)
 
     @contextmanager

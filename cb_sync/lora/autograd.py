@@ -1,9 +1,8 @@
-"""The LoRA kernel with gradients, for the trainer's forward. Its forward is the generator's op: in batch-invariant
-mode `cb_sync::lora_linear_group` in the fixed tiling (or, for a base layer the kernel does not compute, torch's base
-in invariant row blocks plus `cb_sync::lora_add_group`), so the trainer's outputs equal the rollout's bit for bit;
-otherwise torch's base GEMM plus `cb_sync::lora_add_group`, one launch pair where PEFT under autocast makes fp32
-copies of the input and rounds them back. Its backward is plain torch: PEFT's gradients of
-`result + lora_B(lora_A(x)) * scaling` with the products in the compute dtype."""
+"""The LoRA kernel with gradients, for the training forward of batch-invariant mode. Its forward is the generator's
+own op in the fixed tiling (`cb_sync::lora_linear_group`, or for a base layer the kernel does not compute, torch's base
+in invariant row blocks plus `cb_sync::lora_add_group`), so the trainer's outputs equal the rollout's bit for bit. Its
+backward is plain torch: PEFT's gradients, `result + lora_B(lora_A(x)) * scaling` with the products in the compute
+dtype."""
 
 from __future__ import annotations
 
@@ -14,46 +13,45 @@ from ..batch_invariant import linear_rows
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scaling: float, compute_dtype: torch.dtype, fused_base: bool,
-                tuning: list[int], invariant: bool) -> torch.Tensor:
+                tuning: list[int]) -> torch.Tensor:
     """x @ weight^T (+ bias) + scaling * (x @ lora_a^T) @ lora_b^T with PEFT's roundings, differentiable in every
-    tensor that requires a gradient. fused_base: the kernel computes the base GEMM (as the generator's did);
-    invariant: else torch's base in invariant row blocks (batch-invariant mode), not one F.linear."""
+    tensor that requires a gradient. fused_base: the kernel computes the base GEMM (as the generator's did)."""
     from . import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
     rows = x.reshape(-1, x.shape[-1])
-    out = _LoraLinear.apply(rows, weight, bias, lora_a, lora_b, scaling, compute_dtype, fused_base, tuning, invariant)
+    out = _LoraLinear.apply(rows, weight, bias, lora_a, lora_b, scaling, compute_dtype, fused_base, tuning)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, compute, fused_base, tuning, invariant):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, compute, fused_base, tuning):
         ctx.save_for_backward(x, weight, lora_a, lora_b)
         ctx.scaling, ctx.compute, ctx.bias_dtype = scaling, compute, None if bias is None else bias.dtype
         if fused_base:
             biases = [] if bias is None else [bias]
             return torch.ops.cb_sync.lora_linear_group(x, [weight], biases, [lora_a], [lora_b], [scaling], compute,
                                                        tuning)[0]
-        base = (linear_rows if invariant else torch.nn.functional.linear)(x, weight, bias)
+        base = linear_rows(x, weight, bias)
         return torch.ops.cb_sync.lora_add_group(x, [base], [lora_a], [lora_b], [scaling], compute, tuning)[0]
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, lora_a, lora_b = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
-        compute, scaling = ctx.compute, ctx.scaling
-        grads = [None] * 10
+        compute = ctx.compute
+        grads = [None] * 9
         with torch.autocast(grad.device.type, enabled=False):
-            x_c, a_c, b_c, grad_c = x.to(compute), lora_a.to(compute), lora_b.to(compute), grad.to(compute)
-            # the scaling on the [rows, rank] products, not on the [rows, out] gradient: one pass over it less
-            grad_h = (grad_c @ b_c) * scaling                                 # into lora_A's output
-            if need_x:      # the base's and the adapter's parts in one GEMM (addmm adds the second)
-                grads[0] = torch.addmm((grad_h @ a_c).to(weight.dtype), grad.to(weight.dtype), weight).to(x.dtype)
+            x_c, a_c, b_c = x.to(compute), lora_a.to(compute), lora_b.to(compute)
+            grad_delta = (grad.to(compute) * ctx.scaling).to(compute)         # into lora_B's output
+            grad_h = grad_delta @ b_c                                         # into lora_A's output
+            if need_x:
+                grads[0] = (grad.to(weight.dtype) @ weight).to(x.dtype) + (grad_h @ a_c).to(x.dtype)
             if need_w:
-                grads[1] = grad.t().to(weight.dtype) @ x.to(weight.dtype)
+                grads[1] = (grad.t().to(weight.dtype) @ x.to(weight.dtype))
             if need_bias:
                 grads[2] = grad.sum(0).to(ctx.bias_dtype)
             if need_a:
                 grads[3] = (grad_h.t() @ x_c).to(lora_a.dtype)
             if need_b:
-                grads[4] = ((grad_c.t() @ (x_c @ a_c.t())) * scaling).to(lora_b.dtype)
+                grads[4] = (grad_delta.t() @ (x_c @ a_c.t()).to(compute)).to(lora_b.dtype)
         return tuple(grads)

@@ -4,8 +4,8 @@ The swapped forward reads the very `lora_A` / `lora_B` parameters the trainer up
 PEFT's function, also under autocast; anything it does not cover goes to PEFT's own forward: several active
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
 (accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute
-(unless `lora_kernels(..., gradients=True)`, the trainer's: then each projection alone through a differentiable op,
-`autograd.lora_linear`), non-Linear base layers, eager steps of the tuning's host-bound sizes, and steps too large for the kernel's int32
+(except in the fixed tiling of batch-invariant mode: there a differentiable op, `autograd.lora_linear`), non-Linear
+base layers, eager steps of the tuning's host-bound sizes, and steps too large for the kernel's int32
 offsets (`kernel_row_limit`: a compiled step has no size test, so its caller keeps it within that bound).
 
 Projections that read one input (SHARED_INPUT: q/k/v, gate/up) share one kernel launch pair: the first one called
@@ -88,9 +88,8 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "_hf_hook", None) or module._forward_hooks or module._forward_pre_hooks)
 
 
-def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning, gradients: bool):
-    """(A, B, scaling, compute dtype) of the one active adapter when the kernel computes PEFT's result, else None
-    (gradients: whether the differentiable op may serve a forward that wants them).
+def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning):
+    """(A, B, scaling, compute dtype) of the one active adapter when the kernel computes PEFT's result, else None.
 
     Under autocast PEFT's A and B products run in the autocast dtype, so the kernel rounds to it.
     """
@@ -114,7 +113,7 @@ def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning, gradients: bool
             or weights[0].dtype != weights[1].dtype or weights[0].dtype not in KERNEL_DTYPES
             or x.dtype not in KERNEL_DTYPES or any(w.device != x.device for w in weights)
             or weights[0].shape[1] != x.shape[-1] or weights[0].shape[0] > MAX_RANK
-            or (not gradients and _wants_grad(x, *weights, base.weight, base.bias))):
+            or (_wants_grad(x, *weights, base.weight, base.bias) and not tuning.fixed_tiling)):
         return None
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weights[0].dtype
@@ -144,27 +143,24 @@ def _base_kind(layer, x: torch.Tensor) -> tuple[bool, bool]:
     return _base_fusable([layer], x), layer.bias is None
 
 
-def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tuning: LoraTuning, gradients: bool):
+def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tuning: LoraTuning):
     ints = tuning.ints()
-    invariant = bool(tuning.fixed_tiling)
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        adapter = None if args or kwargs else _kernel_adapter(module, x, tuning, gradients)
+        adapter = None if args or kwargs else _kernel_adapter(module, x, tuning)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
         base = module.base_layer
-        if _wants_grad(x, *adapter[:2], base.weight, base.bias):
-            # a trainer's forward: this projection alone, differentiable; in the fixed tiling with the generator's
-            # base path, else the base by torch (at a trainer's row counts cuBLAS's GEMMs are the faster)
-            fused_base = invariant and _base_fusable([base], x)
-            return lora_linear(x, base.weight, base.bias, *adapter, fused_base, ints, invariant)
+        if tuning.fixed_tiling and _wants_grad(x, *adapter[:2], base.weight, base.bias):
+            # a batch-invariant trainer's forward: this projection alone, differentiable
+            return lora_linear(x, base.weight, base.bias, *adapter, _base_fusable([base], x), ints)
         kept = group.take(index, x, adapter)
         if kept is not None:
             return kept
         members = {index: adapter}
         kind = _base_kind(base, x) if tuning.fixed_tiling else None
         for other_index, other in enumerate(group.modules):
-            other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning, gradients)
+            other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning)
             same_dtypes = other_adapter is not None and other_adapter[0].dtype == adapter[0].dtype
             if same_dtypes and other_adapter[3] == adapter[3] and (
                     kind is None or _base_kind(other.base_layer, x) == kind):
@@ -199,16 +195,14 @@ def _invariant_kernel_serves(device: torch.device) -> bool:
 
 
 def lora_kernels(model: torch.nn.Module, enabled: bool = True, modules: list | None = None,
-                 tuning: LoraTuning = LoraTuning(), gradients: bool = False):
+                 tuning: LoraTuning = LoraTuning()):
     """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies (modules:
-    the model's modules if already walked, see `patching.module_list`); gradients: also forwards that want gradients
-    (a trainer's), through the differentiable op, else those keep PEFT's forward."""
+    the model's modules if already walked, see `patching.module_list`)."""
     groups = _lora_groups(module_list(model) if modules is None else modules) if enabled else {}
     if groups:
         from cb_sync.lora import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
     return forwards_swapped([module for module, _, _ in groups.values()],
-                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:], tuning,
-                                                           gradients))
+                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:], tuning))
 
 
 def kernel_row_limit(model: torch.nn.Module, modules: list | None = None) -> int:
