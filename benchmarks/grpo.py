@@ -19,6 +19,7 @@ every step); SIGINT (`timeout -s INT`) ends the run early and keeps what was mea
     python -m benchmarks.grpo [--tiny] [--workload G|G2] [--model qwen3-4b|qwen3-1.7b]
                               [--backends cb_sync trl_generate trl_cb trl_vllm ...] [--steps 10] [--warmup 3]
                               [--max-completion N] [--time-limit SECONDS] [--name grpo] [--out DIR]
+                              [--cb-compile] [--cb-group-by-length auto|on|off] [--cb-release-cache auto|on|off] ...
 
 --workload G (the default), the reference notebook's shape: a step is one optimizer step on one rollout of 4
 completions (1 prompt x 4 generations, per_device_train_batch_size 4), temperature 0.1, top_p 0.97, min_p 0.5,
@@ -73,8 +74,8 @@ from benchmarks import grpo_peers
 from benchmarks.common import MODEL_CONFIGS, RESULTS, build_model, write_results
 from benchmarks.grpo_report import gate_lines, plot, report, summary_table
 from benchmarks.grpo_stats import GRPOStats, compare
-from benchmarks.grpo_workload import (G, REFERENCE, REWARD_RANGE, REWARDS, WORKLOADS, Workload, lora_config,
-                                      make_dataset, make_tokenizer, stop_token_ids, workload)
+from benchmarks.grpo_workload import (AUTO_ON_OFF, G, REFERENCE, REWARD_RANGE, REWARDS, WORKLOADS, Workload,
+                                      lora_config, make_dataset, make_tokenizer, stop_token_ids, workload)
 
 BACKENDS = ("cb_sync", "trl_generate", "trl_cb", "trl_vllm", "trl_vllm_sleep", "unsloth")
 
@@ -141,10 +142,10 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                                      compile=args.cb_compile, progress_bar=False,
                                      batch_invariant=args.cb_batch_invariant)
                 row["cb_batch_invariant"] = args.cb_batch_invariant
-                row["cb_group_by_length"] = args.cb_group_by_length
                 trainer = CBSyncGRPOTrainer(args=grpo_config(args, tmp, work), cb_config=cb_config,
-                                            release_after_rollout=not args.cb_keep_cache,
-                                            group_by_length=args.cb_group_by_length, **common)
+                                            release_after_rollout=AUTO_ON_OFF[args.cb_release_cache],
+                                            group_by_length=AUTO_ON_OFF[args.cb_group_by_length], **common)
+                row["cb_group_by_length"], row["cb_release_cache"] = trainer.group_by_length, args.cb_release_cache
                 trainer._generate_single_turn = remembered(trainer._generate_single_turn, last)
             elif backend == "trl_generate":
                 trainer = GRPOTrainer(args=grpo_config(args, tmp, work), **common)
@@ -305,11 +306,12 @@ def parse_args(argv=None):
                              "off: flash), for every backend: cuDNN builds kernels for each new sequence length")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
                         help="CBConfig.max_batch_tokens (G 512, G2 2048)")
-    parser.add_argument("--cb-keep-cache", action="store_true",
-                        help="CBSyncGRPOTrainer(release_after_rollout=False): keep KV cache and graphs across steps")
-    parser.add_argument("--cb-group-by-length", action="store_true",
-                        help="CBSyncGRPOTrainer(group_by_length=True): micro-batches of similar lengths, logprob "
-                             "forwards without shared padding")
+    parser.add_argument("--cb-release-cache", choices=list(AUTO_ON_OFF), default="auto",
+                        help="CBSyncGRPOTrainer(release_after_rollout=None / True / False): free the KV cache after "
+                             "each rollout (auto: where it is larger than 1 GiB)")
+    parser.add_argument("--cb-group-by-length", choices=list(AUTO_ON_OFF), default="auto",
+                        help="CBSyncGRPOTrainer(group_by_length=None / True / False): micro-batches of similar "
+                             "lengths, logprob forwards without shared padding (auto: where TRL's settings allow it)")
     parser.add_argument("--cb-batch-invariant", action="store_true",
                         help="CBConfig(batch_invariant=True): cb_sync's rollouts and its trainer's logprobs bit-equal "
                              "(uncompiled: not with --cb-compile)")

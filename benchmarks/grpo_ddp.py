@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import RESULTS, markdown_table, write_results
-from benchmarks.grpo_workload import GEN_BATCH
+from benchmarks.grpo_workload import AUTO_ON_OFF, GEN_BATCH
 
 TARGET_SCALING = 1.85
 
@@ -79,7 +79,7 @@ def worker(args) -> None:
             trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS, args=grpo_config(args, tmp),
                                         train_dataset=dataset, processing_class=tokenizer, peft_config=lora_config(),
                                         callbacks=[stats, StopTogether()], cb_config=cb_config,
-                                        release_after_rollout=not args.cb_keep_cache)
+                                        release_after_rollout=AUTO_ON_OFF[args.cb_release_cache])
             trainer.remove_callback(PrinterCallback)
             trainer._generate = stats.timed(trainer._generate)
             stats.extra["device"] = str(trainer.accelerator.device)
@@ -109,7 +109,7 @@ def worker_argv(args, deadline: float | None) -> list[str]:
             "--max-completion", str(args.max_completion), "--shots", str(args.shots), "--beta", str(args.beta),
             "--seed", str(args.seed), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--name", args.name,
             "--out", str(args.out)]
-    argv += ["--tiny"] * args.tiny + ["--cb-compile"] * args.cb_compile + ["--cb-keep-cache"] * args.cb_keep_cache
+    argv += ["--tiny"] * args.tiny + ["--cb-compile"] * args.cb_compile + ["--cb-release-cache", args.cb_release_cache]
     return argv + ([] if deadline is None else ["--deadline", repr(deadline)])
 
 
@@ -231,7 +231,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cb-compile", action="store_true", help="torch.compile cb_sync's decode step")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
-    parser.add_argument("--cb-keep-cache", action="store_true")
+    parser.add_argument("--cb-release-cache", choices=list(AUTO_ON_OFF), default="auto")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for all runs together: each gets an equal share of what is left")
     parser.add_argument("--name", default="grpo_ddp")

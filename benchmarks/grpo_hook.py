@@ -4,7 +4,7 @@ a torch.profiler table of one call each way; --profile-step K: torch.profiler ta
 (rollout and training: `grpo_hook_step.txt`, by CUDA time and by CPU time).
 
     python -m benchmarks.grpo_hook [--tiny] [--workload G2] [--model qwen3-1.7b] [--steps 5] [--cb-compile] [--profile]
-        [--cb-group-by-length] [--profile-step K] [--out DIR]
+        [--cb-group-by-length auto|on|off] [--profile-step K] [--out DIR]
 
 Rows: every trainer rollout (`_generate` wall time, the driver's own call inside it, steps by path, GC seconds), then
 the driver alone on the last rollout's prompts, as the trainer leaves the model (accelerate's autocast forward in
@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 
 from benchmarks.common import MODEL_CONFIGS, build_model, gpu_state
 from benchmarks.grpo import build, grpo_config, resolve, stop_ids
-from benchmarks.grpo_workload import REWARDS, WORKLOADS, lora_config, make_dataset, make_tokenizer
+from benchmarks.grpo_workload import AUTO_ON_OFF, REWARDS, WORKLOADS, lora_config, make_dataset, make_tokenizer
 from benchmarks.throughput import _gc_pauses
 
 
@@ -193,7 +193,8 @@ def main(argv=None):
                         choices=["as_left", "own_forward", "fresh_model"])
     parser.add_argument("--max-completion", type=int, default=None)
     parser.add_argument("--cb-compile", action="store_true")
-    parser.add_argument("--cb-group-by-length", action="store_true", help="CBSyncGRPOTrainer(group_by_length=True)")
+    parser.add_argument("--cb-group-by-length", choices=list(AUTO_ON_OFF), default="auto",
+                        help="CBSyncGRPOTrainer(group_by_length=None / True / False)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-step", type=int, default=0, help="profile this optimizer step (0: none)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -233,7 +234,7 @@ def main(argv=None):
         trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS, train_dataset=dataset,
                                     processing_class=tokenizer, peft_config=lora_config(),
                                     args=grpo_config(args, tmp, work), cb_config=cb_config,
-                                    group_by_length=args.cb_group_by_length, callbacks=[clock] + profiled)
+                                    group_by_length=AUTO_ON_OFF[args.cb_group_by_length], callbacks=[clock] + profiled)
         driver = trainer.cb_driver
         driver.runner.observer = counter
         unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)

@@ -8,6 +8,7 @@ import random
 import re
 
 REFERENCE = "trl_generate"
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}   # --cb-group-by-length / --cb-release-cache -> the trainer's
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # -- the workloads ------------------------------------------------------------------------------------------------

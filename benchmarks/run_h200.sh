@@ -8,6 +8,7 @@
 #   bash benchmarks/run_h200.sh grpo [ARGS]                   Workload G; needs .whl/ (benchmarks/peers_wheels.sh)
 #     and a dill wheel (carry .vllm-wheels/p6 or .unsloth-wheels too); the image's own pyarrow is used
 #   bash benchmarks/run_h200.sh grpo_hook [ARGS]              trainer rollouts against the driver alone; as grpo
+#   bash benchmarks/run_h200.sh grpo_training [ARGS]          the training half alone, variants; as grpo
 #   The peers (vLLM, TRL + vLLM, Unsloth): benchmarks/peers_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -34,7 +35,7 @@ case "$stage" in
     cp benchmarks/results/"$name".{json,md} "$OUT/" 2>/dev/null ;;
   loop)
     timeout 550 python -m benchmarks.decode_loop --out "$OUT" "$@" 2>&1 | tee "$OUT/decode_loop.log" ;;
-  grpo|grpo_hook)
+  grpo|grpo_hook|grpo_training)
     rm -rf /tmp/site
     dill=$(ls .whl/dill-*.whl .vllm-wheels/p6/dill-*.whl .unsloth-wheels/dill-*.whl 2>/dev/null | head -1)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -133,7 +133,7 @@ def test_tiny_g2_eos_live(tmp_path):
 
 
 def test_tiny_g2_grouped_by_length(tmp_path):
-    row = grpo.main(["--tiny", "--workload", "G2", "--backends", "cb_sync", "--cb-group-by-length",
+    row = grpo.main(["--tiny", "--workload", "G2", "--backends", "cb_sync", "--cb-group-by-length", "on",
                      "--out", str(tmp_path)])[0]
     assert "error" not in row, row.get("error")
     assert row["cb_group_by_length"] is True and [s["step"] for s in row["per_step"]] == [1, 2]
@@ -186,3 +186,19 @@ def test_stop_tokens_give_the_target_mean():
     assert 64 <= min(lengths) and max(lengths) <= 512 and max(lengths) - min(lengths) > 300
     g_prompt = make_dataset(n=1, shots=6, seed=0)[0]["prompt"]            # workload G's prompts as they were
     assert len(tokenizer(g_prompt, add_special_tokens=False)["input_ids"]) == 130
+
+
+def test_training_half_probe_trains_every_variant_on_the_same_completions(tmp_path):
+    """benchmarks.grpo_training: the synthetic rollouts give every variant the same completions; the grouped
+    variant's forwards are widened to multiples of WIDTH_MULTIPLE, width1's are not, TRL's micro-batches are wider."""
+    from benchmarks import grpo_training
+    from cb_sync.integrations.length_groups import WIDTH_MULTIPLE
+
+    rows = grpo_training.main(["--tiny", "--variants", "grouped", "width1", "ungrouped", "--out", str(tmp_path)])
+    lengths = [[step["completion_lens"] for step in row["per_step"]] for row in rows]
+    assert len(lengths[0]) == 2 and len(lengths[0][0]) == 8 and lengths[0] == lengths[1] == lengths[2]
+    grouped, width1, ungrouped = ([w for step in row["per_step"] for w in step["forward_widths"]] for row in rows)
+    assert all(w % WIDTH_MULTIPLE == 0 for w in grouped) and any(w % WIDTH_MULTIPLE for w in width1)
+    assert max(ungrouped) >= max(width1)
+    assert all(row["median_step_s"] > 0 and row["forward_tokens_per_step"] > 0 for row in rows)
+    assert "| grouped |" in (tmp_path / "grpo_training.md").read_text()

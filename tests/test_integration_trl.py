@@ -122,7 +122,7 @@ def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
     trainer = CBSyncGRPOTrainer(model=model, reward_funcs=even_fraction, args=grpo_args(tmp_path, top_k=20,
                                                                                          temperature=0.9),
                                 train_dataset=dataset(), processing_class=tokenizer(),
-                                cb_config=CBConfig(block_size=4, max_batch_tokens=64))
+                                cb_config=CBConfig(block_size=4, max_batch_tokens=64), release_after_rollout=True)
     params = trainer._cb_params
     assert (params.do_sample, params.temperature, params.top_k, params.max_new_tokens) == (True, 0.9, 20, 8)
     assert params.logprobs and params.seed is None and 1 in params.eos_token_id
@@ -220,7 +220,7 @@ def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):
     assert before and all("lora_" in n for n in before)
     trainer.train()
 
-    assert len(spy.calls) == STEPS and spy.releases == STEPS
+    assert len(spy.calls) == STEPS and spy.releases == 0      # release_after_rollout=None: a small cache is kept
     assert spy.calls[0]["driver"].model is peft_model and all(c["before"] and c["after"] for c in spy.calls)
     check_groups_and_logprobs(spy)
     check_training(trainer, before, peft_model)
@@ -273,6 +273,29 @@ def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, b
                 ratios = logged(trainer, f"sampling/importance_sampling_ratio/{stat}")
                 assert len(ratios) == 2 and (ratios == [1.0, 1.0] or not batch_invariant)
         assert all(g > 0 for g in logged(trainer, "grad_norm"))
+
+
+def test_release_after_rollout_none_frees_only_caches_over_the_limit(tmp_path, monkeypatch):
+    """The default (None): a KV cache larger than KEPT_CACHE_MAX_BYTES is freed after a rollout, a smaller one kept;
+    True and False decide whatever the size; other values are refused before any work."""
+    from cb_sync.integrations import trl as trl_integration
+    from cb_sync.integrations.trl import KEPT_CACHE_MAX_BYTES, releases_cache
+
+    assert KEPT_CACHE_MAX_BYTES == 1 << 30
+    assert not releases_cache(None, KEPT_CACHE_MAX_BYTES) and releases_cache(None, KEPT_CACHE_MAX_BYTES + 1)
+    assert releases_cache(True, 0) and not releases_cache(False, 1 << 40)
+    spy = Spy(monkeypatch)
+    sizes = []
+    monkeypatch.setattr(trl_integration, "KEPT_CACHE_MAX_BYTES", 1000)     # below this tiny model's cache
+    monkeypatch.setattr(trl_integration, "releases_cache", lambda asked, size: sizes.append(size) or
+                        releases_cache(asked, size))
+    CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path, max_steps=1),
+                      train_dataset=dataset(), processing_class=tokenizer()).train()
+    assert len(spy.calls) == 1 and spy.releases == 1 and sizes[0] > 1000
+    assert spy.calls[0]["driver"].cache.nbytes == 0
+    with pytest.raises(ValueError, match="release_after_rollout must be True, False or None, got 'yes'"):
+        CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path),
+                          train_dataset=dataset(), processing_class=tokenizer(), release_after_rollout="yes")
 
 
 def test_batch_invariant_training_refuses_dropout(tmp_path):

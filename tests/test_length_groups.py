@@ -7,7 +7,8 @@ import torch
 from trl import GRPOTrainer
 
 from cb_sync import CBConfig
-from cb_sync.integrations.length_groups import by_length, padding_columns
+from cb_sync.integrations import length_groups
+from cb_sync.integrations.length_groups import by_length, left_padded, padding_columns
 from cb_sync.integrations.trl import CBSyncGRPOTrainer
 
 from test_integration_trl import dataset, even_fraction, grpo_args, logged, tiny_model, tokenizer
@@ -60,6 +61,16 @@ def test_padding_columns_keep_the_scored_columns():
     assert padding_columns(left, 2) == (3, 1)       # the prompt's last column stays: it scores the first token
 
 
+def test_left_padded_widens_to_the_multiple_with_masked_pad_columns():
+    ids, mask = torch.arange(1, 11).view(2, 5), torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    wide_ids, wide_mask = left_padded(ids, mask, pad_token_id=7, multiple=8)
+    assert wide_ids.shape == wide_mask.shape == (2, 8)
+    assert torch.equal(wide_ids[:, 3:], ids) and torch.equal(wide_mask[:, 3:], mask)
+    assert (wide_ids[:, :3] == 7).all() and (wide_mask[:, :3] == 0).all()
+    assert left_padded(ids, mask, 7, multiple=5)[0] is ids           # already a multiple: unchanged
+    assert left_padded(ids, mask, 7)[0].shape[1] == length_groups.WIDTH_MULTIPLE == 64
+
+
 @pytest.fixture
 def trainer(tmp_path):
     return CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
@@ -100,6 +111,9 @@ def test_trimmed_forward_equals_trl_forward_on_real_tokens(trainer, grad):
 
 
 def test_grouped_training_sees_sorted_micro_batches_and_forwards_without_shared_padding(trainer, monkeypatch):
+    """Each step's micro-batches sorted; every forward trimmed of its shared padding, then widened on the left to a
+    multiple of WIDTH_MULTIPLE (4 here: these sequences are shorter than the default 64)."""
+    monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 4)
     seen, forwards = [], []
     loss, trl_forward = trainer._compute_loss, GRPOTrainer._get_per_token_logps_and_entropies
 
@@ -120,7 +134,9 @@ def test_grouped_training_sees_sorted_micro_batches_and_forwards_without_shared_
         keys = [key for s, batch, _ in seen if s == step for key in batch]
         assert len(keys) == 8 and keys == sorted(keys)
         assert len({prompt for _, prompt in keys}) > 1
-    assert len(forwards) >= 4 and all(columns == (0, 0) for columns, _ in forwards)   # nothing left to trim
+    # nothing left to trim but the columns added on the left, fewer than the multiple
+    assert len(forwards) >= 4 and all(trailing == 0 and leading < 4 for (leading, trailing), _ in forwards)
+    assert all(width % 4 == 0 for _, width in forwards) and any(leading for (leading, _), _ in forwards)
     padded, trimmed = [width for _, _, width in seen], [width for _, width in forwards]
     assert min(trimmed) < max(padded)                                                # and something was trimmed
     assert all(g > 0 for g in logged(trainer, "grad_norm"))
@@ -134,3 +150,23 @@ def test_group_by_length_refuses_settings_that_regrouping_changes(tmp_path, bad)
         CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
                           args=grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, **bad),
                           train_dataset=dataset(), processing_class=tokenizer(), group_by_length=True)
+
+
+def test_group_by_length_is_on_by_default_where_the_settings_allow_it(tmp_path):
+    """None (the default): on with TRL's defaults and one optimizer step per rollout; off, without an error, where
+    regrouping would change the loss and in batch-invariant mode; False keeps TRL's micro-batches; other values are
+    refused."""
+    def made(group_by_length="default", cb_config=None, **extra):
+        chosen = {} if group_by_length == "default" else dict(group_by_length=group_by_length)
+        return CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                 args=grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                                **extra),
+                                 train_dataset=dataset(), processing_class=tokenizer(), cb_config=cb_config,
+                                 **chosen).group_by_length
+
+    assert made() is True and made(group_by_length=None) is True
+    assert made(num_iterations=2) is False and made(loss_type="bnpo") is False
+    assert made(cb_config=CBConfig(batch_invariant=True)) is False
+    assert made(group_by_length=False) is False
+    with pytest.raises(ValueError, match="group_by_length must be"):
+        made(group_by_length="yes")

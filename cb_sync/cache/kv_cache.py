@@ -29,6 +29,11 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        """What the pools hold now."""
+        return self.num_blocks * self.bytes_per_block
+
     def ensure(self, num_blocks: int) -> None:
         """Grow the pools to exactly `num_blocks` blocks (moving their storage) unless they hold at least that many."""
         if self.num_blocks >= num_blocks:

@@ -2,11 +2,16 @@
 then cuts it into micro-batches, so every forward of the loss is as wide as the longest sequence of the rollout (with
 lengths as varied as GRPO's, about twice the real tokens). `by_length` regroups the rows so that each micro-batch holds
 completions of similar lengths; `padding_columns` finds the columns of one forward's rows that are padding in all of
-them, which the forward can then skip."""
+them, which the forward can then skip; `left_padded` widens what is left to a multiple of WIDTH_MULTIPLE columns."""
 
 from __future__ import annotations
 
 import torch
+
+# Forwards are widened to a multiple of this many columns: cuDNN attention (PyTorch's SDPA choice on Hopper) builds a
+# plan for every new sequence length (36-104 ms on an H200, `benchmarks/results/sdpa_first_use.md`), and micro-batches
+# trimmed to their rows would have a new width almost every time; 64 columns add ~32 padding tokens a row on average.
+WIDTH_MULTIPLE = 64
 
 
 def by_length(micro_batches: list[dict]) -> list[dict]:
@@ -32,6 +37,17 @@ def padding_columns(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[
     leading = min(int(used[0]), width - logits_to_keep - 1)
     trailing = min(width - 1 - int(used[-1]), logits_to_keep - 1)
     return max(leading, 0), max(trailing, 0)
+
+
+def left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int,
+                multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, T] with padding columns added on the left, up to a width that is a multiple of
+    `multiple` (WIDTH_MULTIPLE)."""
+    extra = -input_ids.shape[1] % (multiple or WIDTH_MULTIPLE)
+    if not extra:
+        return input_ids, attention_mask
+    return (torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id),
+            torch.nn.functional.pad(attention_mask, (extra, 0)))
 
 
 def _joined(values: list):

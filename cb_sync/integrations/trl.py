@@ -9,8 +9,8 @@ read from the GenerationConfig TRL builds for its transformers path; options cb_
 `repetition_penalty != 1`) raise ValueError at construction. EOS is TRL's `eos_token_ids`. TRL hands over each prompt
 repeated `num_generations` times; each copy is a request with its own fresh seed, so a group's members differ, and their
 identical prompts share KV blocks. The driver runs the rollout in eval + inference mode and restores every module's
-training flag; the KV cache is released after each rollout unless `release_after_rollout=False` (the captured decode
-graphs are kept, and replayed again where the next rollout's cache lands at the same address).
+training flag; a KV cache larger than `KEPT_CACHE_MAX_BYTES` is released after each rollout (`release_after_rollout`;
+the captured decode graphs are kept, and replayed again where the next rollout's cache lands at the same address).
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
@@ -48,33 +48,44 @@ from ..config import CBConfig
 from ..driver import SyncCBDriver
 from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
-from .length_groups import by_length, padding_columns
+from .length_groups import by_length, left_padded, padding_columns
 from .transformers import sampling_params_from_generation_config
 
 __all__ = ["CBSyncGRPOTrainer"]
+
+KEPT_CACHE_MAX_BYTES = 1 << 30      # release_after_rollout=None keeps KV caches up to this size through training
 
 
 class CBSyncGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with cb_sync rollouts. Takes GRPOTrainer's arguments, plus (keyword-only):
 
     cb_config: engine settings of the driver (CBConfig()); with batch_invariant=True the trainer's forwards too.
-    release_after_rollout: free the KV cache after every rollout so the training step gets the memory (True).
+    release_after_rollout: free the KV cache after every rollout so the training step gets the memory (True), keep it
+        for the next rollout (False), or free it where it is larger than KEPT_CACHE_MAX_BYTES (None, the default):
+        re-allocating a cache and re-capturing its graphs costs a rollout ~0.15-0.4 s, worth paying for memory only
+        where the cache is large (a G2-sized rollout's, 64 completions of ~1.5k tokens: ~13 GiB at 4B) and not
+        for a small one (4 of 642 tokens at 4B: 0.4 GiB).
     importance_sampling_correction: apply TRL's importance-sampling correction with the generator's logprobs (False;
         the generator runs the trained weights, so the ratio is close to 1 up to kernel numerics).
     log_logprob_diff: log the generator-vs-trainer logprob gap at every log (True; see the module's docstring).
     group_by_length: micro-batches of completions of similar lengths, and every logprob forward without the columns
-        that are padding in all its rows (False; batch-invariant forwards skip padding themselves). TRL pads a
-        rollout's rows to its longest prompt and completion, so with varied lengths most of a forward is padding. The
-        micro-batches of one rollout then make one optimizer step in another grouping of the same rows: needs
-        num_iterations=1, steps_per_generation equal to gradient_accumulation_steps, and no term averaged per
-        micro-batch (loss_type "bnpo", top_entropy_quantile < 1, an entropy bonus, an MoE aux loss); ValueError
-        otherwise. Per-micro-batch metrics (entropy, clip ratios) then average over groups of similar lengths."""
+        that are padding in all its rows. TRL pads a rollout's rows to its longest prompt and completion, so with
+        varied lengths most of a forward is padding. The micro-batches of one rollout then make one optimizer step in
+        another grouping of the same rows: needs num_iterations=1, steps_per_generation equal to
+        gradient_accumulation_steps, and no term averaged per micro-batch (loss_type "bnpo", top_entropy_quantile < 1,
+        an entropy bonus, an MoE aux loss). True: on, ValueError where the settings do not allow it; False: TRL's
+        micro-batches; None (the default): on where the settings allow it, except in batch-invariant mode (whose
+        forwards skip padding themselves). Per-micro-batch metrics (entropy, clip ratios) then average over groups of
+        similar lengths."""
 
-    def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool = True,
+    def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool | None = None,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
-                 group_by_length: bool = False, **kwargs):
+                 group_by_length: bool | None = None, **kwargs):
         if cb_config is not None and not isinstance(cb_config, CBConfig):
             raise ValueError(f"cb_config must be a CBConfig, got {type(cb_config).__name__}")
+        for name, value in (("release_after_rollout", release_after_rollout), ("group_by_length", group_by_length)):
+            if value not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
         grpo_args = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments.get("args")
         if grpo_args is not None and (grpo_args.use_vllm or grpo_args.use_transformers_continuous_batching):
             raise ValueError("CBSyncGRPOTrainer generates with cb_sync: set use_vllm=False and "
@@ -84,9 +95,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.release_after_rollout = release_after_rollout
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
-        self.group_by_length = group_by_length
-        if group_by_length:
-            _check_length_groups(self)
+        self.group_by_length = _length_groups_wanted(self, group_by_length)
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
         self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
@@ -136,8 +145,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         try:
             return super()._generate(prompts)
         finally:
-            if self.release_after_rollout and self._cb_driver is not None:
-                self._cb_driver.release(keep_graphs=True)
+            driver = self._cb_driver
+            if driver is not None and releases_cache(self.release_after_rollout, driver.cache.nbytes):
+                driver.release(keep_graphs=True)
 
     def _prepare_inputs(self, generation_batch):
         buffered = self._buffered_inputs
@@ -205,12 +215,13 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     def _trimmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                      compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's `_get_per_token_logps_and_entropies`, each chunk of rows without the columns that are padding in all of
-        them (the outputs zero there); without gradients the chunks take the rows in order of length."""
+        them (the outputs zero there), left-padded to a width that repeats across steps (`left_padded`); without
+        gradients the chunks take the rows in order of length."""
         trl_forward = super()._get_per_token_logps_and_entropies
         if compute_aux_loss or any(value is not None for value in multimodal.values()):
             return trl_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                                compute_aux_loss, **multimodal)
-        rows = input_ids.size(0)
+        rows, pad_token_id = input_ids.size(0), self._tokenizer.pad_token_id or 0
         batch_size = batch_size or rows
         sort_rows = batch_size < rows and not torch.is_grad_enabled()
         order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if sort_rows
@@ -221,8 +232,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             mask = attention_mask[chunk]
             leading, trailing = padding_columns(mask, logits_to_keep)
             columns = slice(leading, input_ids.size(1) - trailing)
-            chunk_logps, chunk_entropies, _ = trl_forward(model, input_ids[chunk, columns], mask[:, columns],
-                                                          logits_to_keep - trailing, compute_entropy=compute_entropy)
+            ids, mask = left_padded(input_ids[chunk, columns], mask[:, columns], pad_token_id)
+            chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, logits_to_keep - trailing,
+                                                          compute_entropy=compute_entropy)
             logps.append(torch.nn.functional.pad(chunk_logps, (0, trailing)))
             if compute_entropy:
                 entropies.append(torch.nn.functional.pad(chunk_entropies, (0, trailing)))
@@ -280,8 +292,14 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
 
-def _check_length_groups(trainer: CBSyncGRPOTrainer) -> None:
-    """group_by_length regroups one rollout's rows among the micro-batches of one optimizer step."""
+def releases_cache(asked: bool | None, cache_bytes: int) -> bool:
+    """Whether the trainer frees a rollout's KV cache of cache_bytes (asked: release_after_rollout)."""
+    return cache_bytes > KEPT_CACHE_MAX_BYTES if asked is None else asked
+
+
+def _length_groups_wanted(trainer: CBSyncGRPOTrainer, asked: bool | None) -> bool:
+    """group_by_length regroups one rollout's rows among the micro-batches of one optimizer step: whether it runs
+    (asked None: where the settings allow it, outside batch-invariant mode; True: ValueError where they do not)."""
     args = trainer.args
     wrong = [f"{name}={value!r}" for name, value, ok in (
         ("num_iterations", trainer.num_iterations, trainer.num_iterations == 1),
@@ -292,11 +310,14 @@ def _check_length_groups(trainer: CBSyncGRPOTrainer) -> None:
         ("entropy_coef", trainer.entropy_coef, not trainer._entropy_bonus_enabled),
         ("use_adaptive_entropy", trainer.use_adaptive_entropy, not trainer.use_adaptive_entropy),
         ("router_aux_loss_coef", trainer.router_aux_loss_coef, not trainer.aux_loss_enabled)) if not ok]
-    if wrong:
+    if asked is None:
+        return not wrong and not trainer.cb_config.batch_invariant
+    if asked and wrong:
         raise ValueError("group_by_length=True needs num_iterations=1, steps_per_generation equal to "
                          f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), a loss_type other than "
                          "'bnpo', top_entropy_quantile=1.0, no entropy bonus and no MoE aux loss (each averaged per "
                          f"micro-batch), got {', '.join(wrong)}")
+    return asked
 
 
 def _check_invariant_training(model: torch.nn.Module) -> None:
