@@ -46,8 +46,8 @@ max_batch_tokens 2048 (--cb-max-batch-tokens).
 Both: beta defaults to 0.04 (TRL's default 0 computes and logs no KL; the gate compares KL trajectories). Random
 weights make the format/answer rewards almost always constant; a token-parity reward gives every group some
 variance, so the advantages, the loss and the gradients are not zero. cb_sync, after training: the driver alone on
-the last rollout's requests (its prompt ids and the trainer's sampling parameters, KV cache released before each of
-2 timed calls): `driver_alone_s` (median) and `rollout_vs_driver` (median rollout time of the timed steps over it).
+the last rollout's requests (its prompt ids and the trainer's sampling parameters, the KV cache released before each
+of 2 timed calls where the trainer releases it after a rollout): `driver_alone_s` (median) and `rollout_vs_driver` (median rollout time of the timed steps over it).
 
 Writes <out>/<name>.json (one summary row per backend, per-step rows inside), <name>.md, <name>_<backend>.json
 (per-step stats) and <name>.png (if matplotlib imports). --tiny: CPU, fp32, a 2-layer Qwen3 with a 512-token
@@ -214,10 +214,13 @@ def remembered(generate_single_turn, last: dict):
 
 def driver_alone(trainer, prompt_ids: list[list[int]], cuda: bool, calls: int = 2) -> list[float]:
     """Seconds of each of `calls` calls of the trainer's cb_sync driver alone on `prompt_ids` with the trainer's
-    sampling parameters, the KV cache released before each (as after every rollout)."""
+    sampling parameters, the KV cache released before each where the trainer releases it after a rollout (its graphs
+    kept, as the trainer keeps them)."""
+    from cb_sync.integrations.trl import releases_cache
     driver, seconds = trainer.cb_driver, []
     for _ in range(calls):
-        driver.release()
+        if releases_cache(trainer.release_after_rollout, driver.cache.nbytes):
+            driver.release(keep_graphs=True)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()

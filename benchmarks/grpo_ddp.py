@@ -9,7 +9,8 @@ Each rank records per step its wall time, rollout time and peak GPU memory (benc
 <name>_n<N>_rank<r>.json; the ranks stop together when --time-limit's share runs out.
 
     python -m benchmarks.grpo_ddp [--tiny] [--gpus 1 2] [--steps 10] [--warmup 3] [--max-completion 512]
-                                  [--cb-compile] [--time-limit SECONDS] [--name grpo_ddp] [--out DIR]
+                                  [--cb-compile] [--cb-release-cache auto|on|off]
+                                  [--cb-group-by-length auto|on|off] [--time-limit SECONDS] [--name grpo_ddp] [--out DIR]
 
 Writes <name>.json (one row per N) and <name>.md: median step and rollout time (per step, the slowest rank), peak
 GiB per rank, completions per second (N x 4 / median step time), their scaling against N = 1 (target >= 1.85x at
@@ -79,10 +80,12 @@ def worker(args) -> None:
             trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS, args=grpo_config(args, tmp),
                                         train_dataset=dataset, processing_class=tokenizer, peft_config=lora_config(),
                                         callbacks=[stats, StopTogether()], cb_config=cb_config,
-                                        release_after_rollout=AUTO_ON_OFF[args.cb_release_cache])
+                                        release_after_rollout=AUTO_ON_OFF[args.cb_release_cache],
+                                        group_by_length=AUTO_ON_OFF[args.cb_group_by_length])
             trainer.remove_callback(PrinterCallback)
             trainer._generate = stats.timed(trainer._generate)
             stats.extra["device"] = str(trainer.accelerator.device)
+            stats.extra["cb_group_by_length"] = trainer.group_by_length
             stats.extra["build_s"] = round(time.perf_counter() - start, 2)
             trainer.train()
             stats.extra["final_fingerprint"] = fingerprint(trainer.model)
@@ -110,6 +113,7 @@ def worker_argv(args, deadline: float | None) -> list[str]:
             "--seed", str(args.seed), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--name", args.name,
             "--out", str(args.out)]
     argv += ["--tiny"] * args.tiny + ["--cb-compile"] * args.cb_compile + ["--cb-release-cache", args.cb_release_cache]
+    argv += ["--cb-group-by-length", args.cb_group_by_length]
     return argv + ([] if deadline is None else ["--deadline", repr(deadline)])
 
 
@@ -232,6 +236,7 @@ def parse_args(argv=None):
     parser.add_argument("--cb-compile", action="store_true", help="torch.compile cb_sync's decode step")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
     parser.add_argument("--cb-release-cache", choices=list(AUTO_ON_OFF), default="auto")
+    parser.add_argument("--cb-group-by-length", choices=list(AUTO_ON_OFF), default="auto")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for all runs together: each gets an equal share of what is left")
     parser.add_argument("--name", default="grpo_ddp")

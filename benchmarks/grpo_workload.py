@@ -8,7 +8,8 @@ import random
 import re
 
 REFERENCE = "trl_generate"
-AUTO_ON_OFF = {"auto": None, "on": True, "off": False}   # --cb-group-by-length / --cb-release-cache -> the trainer's
+# --cb-group-by-length / --cb-release-cache: the trainer's group_by_length / release_after_rollout (auto: None)
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # -- the workloads ------------------------------------------------------------------------------------------------

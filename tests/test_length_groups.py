@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, GPT2Config
 from trl import GRPOTrainer
 
 from cb_sync import CBConfig
@@ -110,10 +111,32 @@ def test_trimmed_forward_equals_trl_forward_on_real_tokens(trainer, grad):
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
+def test_only_forwards_that_keep_padding_are_widened(trainer, monkeypatch):
+    """A chunk whose rows fill every column keeps its width (and SDPA's unmasked causal path); one with padding left
+    after trimming is left-padded to a multiple of WIDTH_MULTIPLE."""
+    widths = []
+    trl_forward = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def recording(self, model, input_ids, attention_mask, *args, **kwargs):
+        widths.append((input_ids.shape[1], bool(attention_mask.all())))
+        return trl_forward(self, model, input_ids, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
+    gen = torch.Generator().manual_seed(0)
+    full = _padded_rows([5, 5], [6, 6], 5, 6, gen)
+    ragged = _padded_rows([5, 3], [6, 2], 5, 6, gen)
+    with torch.no_grad():
+        for batch in (full, ragged):
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+            mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+            trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 6)
+    assert widths == [(11, True), (length_groups.WIDTH_MULTIPLE, False)]
+
+
 def test_grouped_training_sees_sorted_micro_batches_and_forwards_without_shared_padding(trainer, monkeypatch):
-    """Each step's micro-batches sorted; every forward trimmed of its shared padding, then widened on the left to a
-    multiple of WIDTH_MULTIPLE (4 here: these sequences are shorter than the default 64)."""
-    monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 4)
+    """Each step's micro-batches sorted; every forward trimmed of its shared padding (no widening here: it has a
+    test of its own)."""
+    monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 1)
     seen, forwards = [], []
     loss, trl_forward = trainer._compute_loss, GRPOTrainer._get_per_token_logps_and_entropies
 
@@ -134,9 +157,7 @@ def test_grouped_training_sees_sorted_micro_batches_and_forwards_without_shared_
         keys = [key for s, batch, _ in seen if s == step for key in batch]
         assert len(keys) == 8 and keys == sorted(keys)
         assert len({prompt for _, prompt in keys}) > 1
-    # nothing left to trim but the columns added on the left, fewer than the multiple
-    assert len(forwards) >= 4 and all(trailing == 0 and leading < 4 for (leading, trailing), _ in forwards)
-    assert all(width % 4 == 0 for _, width in forwards) and any(leading for (leading, _), _ in forwards)
+    assert len(forwards) >= 4 and all(columns == (0, 0) for columns, _ in forwards)   # nothing left to trim
     padded, trimmed = [width for _, _, width in seen], [width for _, width in forwards]
     assert min(trimmed) < max(padded)                                                # and something was trimmed
     assert all(g > 0 for g in logged(trainer, "grad_norm"))
@@ -154,11 +175,11 @@ def test_group_by_length_refuses_settings_that_regrouping_changes(tmp_path, bad)
 
 def test_group_by_length_is_on_by_default_where_the_settings_allow_it(tmp_path):
     """None (the default): on with TRL's defaults and one optimizer step per rollout; off, without an error, where
-    regrouping would change the loss and in batch-invariant mode; False keeps TRL's micro-batches; other values are
+    regrouping would change the loss, in batch-invariant mode and for a model with learned absolute positions; False keeps TRL's micro-batches; other values are
     refused."""
-    def made(group_by_length="default", cb_config=None, **extra):
+    def made(group_by_length="default", cb_config=None, model=None, **extra):
         chosen = {} if group_by_length == "default" else dict(group_by_length=group_by_length)
-        return CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+        return CBSyncGRPOTrainer(model=model or tiny_model(), reward_funcs=even_fraction,
                                  args=grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                                 **extra),
                                  train_dataset=dataset(), processing_class=tokenizer(), cb_config=cb_config,
@@ -167,6 +188,9 @@ def test_group_by_length_is_on_by_default_where_the_settings_allow_it(tmp_path):
     assert made() is True and made(group_by_length=None) is True
     assert made(num_iterations=2) is False and made(loss_type="bnpo") is False
     assert made(cb_config=CBConfig(batch_invariant=True)) is False
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                                       eos_token_id=1, pad_token_id=0, bos_token_id=2))
+    assert made(model=gpt2) is False            # learned absolute positions: trimmed rows would move
     assert made(group_by_length=False) is False
     with pytest.raises(ValueError, match="group_by_length must be"):
         made(group_by_length="yes")

@@ -46,6 +46,7 @@ from trl.extras.profiling import profiling_context
 from ..batch_invariant import check_model
 from ..config import CBConfig
 from ..driver import SyncCBDriver
+from ..validation import learned_position_limit
 from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
 from .length_groups import by_length, left_padded, padding_columns
@@ -63,8 +64,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     release_after_rollout: free the KV cache after every rollout so the training step gets the memory (True), keep it
         for the next rollout (False), or free it where it is larger than KEPT_CACHE_MAX_BYTES (None, the default):
         re-allocating a cache and re-capturing its graphs costs a rollout ~0.15-0.4 s, worth paying for memory only
-        where the cache is large (a G2-sized rollout's, 64 completions of ~1.5k tokens: ~13 GiB at 4B) and not
-        for a small one (4 of 642 tokens at 4B: 0.4 GiB).
+        where the cache is large (a G2-sized rollout's, 64 completions of ~1.3k tokens: ~12 GiB at 4B) and not
+        for a small one (4 of 642 tokens at 4B: 0.4 GiB). Under DDP each rank decides on its own cache.
     importance_sampling_correction: apply TRL's importance-sampling correction with the generator's logprobs (False;
         the generator runs the trained weights, so the ratio is close to 1 up to kernel numerics).
     log_logprob_diff: log the generator-vs-trainer logprob gap at every log (True; see the module's docstring).
@@ -75,8 +76,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         gradient_accumulation_steps, and no term averaged per micro-batch (loss_type "bnpo", top_entropy_quantile < 1,
         an entropy bonus, an MoE aux loss). True: on, ValueError where the settings do not allow it; False: TRL's
         micro-batches; None (the default): on where the settings allow it, except in batch-invariant mode (whose
-        forwards skip padding themselves). Per-micro-batch metrics (entropy, clip ratios) then average over groups of
-        similar lengths."""
+        forwards skip padding themselves) and for models with learned absolute positions (trimmed rows sit at other
+        positions, which rotary embeddings ignore up to rounding). Per-micro-batch metrics (entropy, clip ratios) then
+        average over groups of similar lengths."""
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool | None = None,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
@@ -215,13 +217,13 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     def _trimmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                      compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's `_get_per_token_logps_and_entropies`, each chunk of rows without the columns that are padding in all of
-        them (the outputs zero there), left-padded to a width that repeats across steps (`left_padded`); without
-        gradients the chunks take the rows in order of length."""
+        them (the outputs zero there) and, where padding is left, left-padded to a width that repeats across steps
+        (`left_padded`); without gradients the chunks take the rows in order of length."""
         trl_forward = super()._get_per_token_logps_and_entropies
         if compute_aux_loss or any(value is not None for value in multimodal.values()):
             return trl_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                                compute_aux_loss, **multimodal)
-        rows, pad_token_id = input_ids.size(0), self._tokenizer.pad_token_id or 0
+        rows, pad_token_id = input_ids.size(0), self._tokenizer.pad_token_id
         batch_size = batch_size or rows
         sort_rows = batch_size < rows and not torch.is_grad_enabled()
         order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if sort_rows
@@ -232,7 +234,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             mask = attention_mask[chunk]
             leading, trailing = padding_columns(mask, logits_to_keep)
             columns = slice(leading, input_ids.size(1) - trailing)
-            ids, mask = left_padded(input_ids[chunk, columns], mask[:, columns], pad_token_id)
+            ids, mask = input_ids[chunk, columns], mask[:, columns]
+            if not bool(mask.all()):        # a forward without padding keeps SDPA's unmasked causal path
+                ids, mask = left_padded(ids, mask, pad_token_id)
             chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, logits_to_keep - trailing,
                                                           compute_entropy=compute_entropy)
             logps.append(torch.nn.functional.pad(chunk_logps, (0, trailing)))
@@ -310,8 +314,9 @@ def _length_groups_wanted(trainer: CBSyncGRPOTrainer, asked: bool | None) -> boo
         ("entropy_coef", trainer.entropy_coef, not trainer._entropy_bonus_enabled),
         ("use_adaptive_entropy", trainer.use_adaptive_entropy, not trainer.use_adaptive_entropy),
         ("router_aux_loss_coef", trainer.router_aux_loss_coef, not trainer.aux_loss_enabled)) if not ok]
-    if asked is None:
-        return not wrong and not trainer.cb_config.batch_invariant
+    if asked is None:       # trimmed and widened rows move to other absolute positions: only rotary models ignore it
+        learned_positions = learned_position_limit(trainer.model.config.get_text_config()) is not None
+        return not wrong and not trainer.cb_config.batch_invariant and not learned_positions
     if asked and wrong:
         raise ValueError("group_by_length=True needs num_iterations=1, steps_per_generation equal to "
                          f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), a loss_type other than "
