@@ -71,7 +71,8 @@ def worker(out: Path) -> None:
                       learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
                       seed=0, dataloader_num_workers=0, disable_tqdm=True)
     trainer = CBSyncGRPOTrainer(model=model, reward_funcs=even_fraction, args=args, train_dataset=dataset,
-                                processing_class=tokenizer, cb_config=CBConfig(block_size=4, max_batch_tokens=64))
+                                processing_class=tokenizer, cb_config=CBConfig(block_size=4, max_batch_tokens=64),
+                                release_after_rollout=True)   # the default keeps caches this small
     rank = trainer.accelerator.process_index
     record = {"rank": rank, "world": trainer.accelerator.num_processes, "rollouts": [], "driver_calls": [],
               "seeds": [], "gathered": [], "local_logp_diff": []}
