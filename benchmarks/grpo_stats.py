@@ -176,7 +176,7 @@ class GRPOStats(TrainerCallback):
         row = self.rows[-1]
         fresh = "loss" in logs and "loss" not in row
         for key, name in LOGGED.items():
-            if name in logs:
+            if logs.get(name) is not None:
                 row[key] = float(logs[name])
         if fresh:
             if self.verbose:

@@ -4,7 +4,7 @@ the trainer's side train on the very same rows and their A/B is not lost in the 
 rollouts (G2 at 4B: training per completion token differed by ~20% between two runs of the same code).
 
     python -m benchmarks.grpo_training [--tiny] [--workload G2] [--model qwen3-4b] [--steps 6] [--warmup 2]
-        [--variants grouped width1 ungrouped no_cudnn] [--name grpo_training] [--out DIR]
+        [--variants grouped width1 ungrouped no_cudnn no_warmup] [--name grpo_training] [--out DIR]
 
 Variants (each trains a freshly built model with the same seed, in this process, one after the other):
     grouped    the default trainer: micro-batches grouped by length, each forward trimmed of its shared padding and
@@ -12,6 +12,7 @@ Variants (each trains a freshly built model with the same seed, in this process,
     width1     grouped, forwards as trimmed (no widening: a new width in nearly every forward)
     ungrouped  TRL's micro-batches (group_by_length=False)
     no_cudnn   grouped, with cuDNN attention off in SDPA (PyTorch then takes flash or memory-efficient attention)
+    no_warmup  grouped, without the trainer's attention warm-up at each variety's first forward (`attention_warmup`)
 
 A step is timed from TRL's step begin to its end: the reference forward, each micro-batch's loss forward, recompute
 and backward, the optimizer (the synthetic rollout itself takes about a millisecond). G2's completions follow its
@@ -43,7 +44,8 @@ from benchmarks.grpo_workload import REWARDS, WORKLOADS, lora_config, make_datas
 VARIANTS = {"grouped": dict(group_by_length=True),
             "width1": dict(group_by_length=True, width_multiple=1),
             "ungrouped": dict(group_by_length=False),
-            "no_cudnn": dict(group_by_length=True, cudnn=False)}
+            "no_cudnn": dict(group_by_length=True, cudnn=False),
+            "no_warmup": dict(group_by_length=True, warmup=False)}
 
 
 class SyntheticRollouts:
@@ -104,17 +106,21 @@ class ForwardTokens:
 
 
 @contextlib.contextmanager
-def variant_settings(width_multiple: int | None = None, cudnn: bool = True):
-    """length_groups.WIDTH_MULTIPLE and SDPA's cuDNN switch for one variant, restored after."""
-    from cb_sync.integrations import length_groups
-    saved = length_groups.WIDTH_MULTIPLE, torch.backends.cuda.cudnn_sdp_enabled()
+def variant_settings(width_multiple: int | None = None, cudnn: bool = True, warmup: bool = True):
+    """length_groups.WIDTH_MULTIPLE, SDPA's cuDNN switch and the trainer's attention warm-up for one variant, restored
+    after."""
+    from cb_sync.integrations import attention_warmup, length_groups
+    saved = length_groups.WIDTH_MULTIPLE, torch.backends.cuda.cudnn_sdp_enabled(), attention_warmup.wants_warmup
     length_groups.WIDTH_MULTIPLE = width_multiple or saved[0]
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    if not warmup:
+        attention_warmup.wants_warmup = lambda model: False
     try:
         yield
     finally:
         length_groups.WIDTH_MULTIPLE = saved[0]
         torch.backends.cuda.enable_cudnn_sdp(saved[1])
+        attention_warmup.wants_warmup = saved[2]
 
 
 class StepTokens(GRPOStats):
@@ -164,8 +170,8 @@ def summarize(name: str, steps: list[dict], warmup: int) -> dict:
             "forward_tokens_per_step": round(statistics.mean(s["forward_tokens"] for s in timed)),
             "forward_widths": len({w for s in steps for w in s["forward_widths"]}),
             "peak_gib": None if steps[0]["peak_gib"] is None else round(max(s["peak_gib"] for s in steps), 2),
-            "per_step": [{k: s[k] for k in ("step", "step_s", "completion_lens", "forward_tokens", "forward_widths")}
-                         for s in steps]}
+            "per_step": [{k: s.get(k) for k in ("step", "step_s", "main_cpu_s", "completion_lens", "forward_tokens",
+                                                 "forward_widths")} for s in steps]}
 
 
 def report(args, rows: list[dict]) -> str:
@@ -177,9 +183,12 @@ def report(args, rows: list[dict]) -> str:
     first = rows[0]["per_step"]
     lengths = [n for s in first for n in s["completion_lens"]]
     shape = "tiny Qwen3, CPU" if args.tiny else f"{args.model} shape"
+    per_step = "\n".join(f"- {r['variant']}: " + ", ".join(f"{s['step_s']:.2f} ({'/'.join(map(str, s['forward_widths']))})"
+                                                        for s in r["per_step"]) for r in rows)
     return (f"# The training half of Workload {args.workload} ({shape}), synthetic rollouts\n\n"
             f"{args.steps} steps a variant, medians without the first {args.warmup}; every variant trained on the "
-            f"same completions (mean length {statistics.mean(lengths):.0f}, max {max(lengths)}).\n\n{table}")
+            f"same completions (mean length {statistics.mean(lengths):.0f}, max {max(lengths)}).\n\n{table.rstrip()}\n\n"
+            f"Seconds of each step in order (the widths of its logprob forwards):\n\n{per_step}\n")
 
 
 def parse_args(argv=None):

@@ -12,6 +12,10 @@ identical prompts share KV blocks. The driver runs the rollout in eval + inferen
 training flag; a KV cache larger than `KEPT_CACHE_MAX_BYTES` is released after each rollout (`release_after_rollout`;
 the captured decode graphs are kept, and replayed again where the next rollout's cache lands at the same address).
 
+Before the first logprob forward of each variety (with or without gradients, with or without padding), the trainer
+runs the model once on short rows of that variety (`attention_warmup`): cuDNN attention builds kernels at run time for
+each kind of sequence length, and the first forward of a new kind would otherwise cost a step ~2 s mid-run.
+
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
 of |generator - trainer| and `sampling/ratio_outside_0.9_1.1`, the share of tokens whose ratio p_trainer / p_generator
@@ -49,6 +53,7 @@ from ..driver import SyncCBDriver
 from ..validation import learned_position_limit
 from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
+from .attention_warmup import AttentionWarmup
 from .length_groups import by_length, left_padded, padding_columns
 from .transformers import sampling_params_from_generation_config
 
@@ -98,6 +103,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
         self.group_by_length = _length_groups_wanted(self, group_by_length)
+        reentrant = self.args.gradient_checkpointing and \
+            (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False)
+        self._attention_warmup = AttentionWarmup(self._tokenizer.pad_token_id, backward=not reentrant)
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
         self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
@@ -206,13 +214,23 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if self.cb_config.batch_invariant:
             compute = self._invariant_logps_and_entropies
         else:
-            compute = self._trimmed_logps_and_entropies if self.group_by_length else \
-                super()._get_per_token_logps_and_entropies
+            compute = self._trimmed_logps_and_entropies if self.group_by_length else self._warmed_logps_and_entropies
         out = compute(*args, **kwargs)
         batch, self._gap_batch = self._gap_batch, None
         if batch is not None:
             self._add_logprob_gap(out[0].detach(), batch)
         return out
+
+    def _warmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, *args,
+                                    **kwargs):
+        """TRL's `_get_per_token_logps_and_entropies`, after cuDNN attention's builds for the varieties of forward its
+        chunks of rows will be (`attention_warmup`)."""
+        if self._attention_warmup.pending():
+            chunks = attention_mask.split(batch_size or attention_mask.size(0))
+            for masked in set(torch.stack([~chunk.bool().all() for chunk in chunks]).tolist()):
+                self._attention_warmup.before_forward(self.accelerator.unwrap_model(model), masked)
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                          *args, **kwargs)
 
     def _trimmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                      compute_entropy=False, compute_aux_loss=False, **multimodal):
@@ -235,8 +253,10 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             leading, trailing = padding_columns(mask, logits_to_keep)
             columns = slice(leading, input_ids.size(1) - trailing)
             ids, mask = input_ids[chunk, columns], mask[:, columns]
-            if not bool(mask.all()):        # a forward without padding keeps SDPA's unmasked causal path
+            masked = not bool(mask.all())
+            if masked:                      # a forward without padding keeps SDPA's unmasked causal path
                 ids, mask = left_padded(ids, mask, pad_token_id)
+            self._attention_warmup.before_forward(self.accelerator.unwrap_model(model), masked)
             chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, logits_to_keep - trailing,
                                                           compute_entropy=compute_entropy)
             logps.append(torch.nn.functional.pad(chunk_logps, (0, trailing)))
