@@ -14,29 +14,53 @@ hook on the model would change what a compiled decode step guards on, and cost i
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+from ..validation import learned_position_limit
 
 WARM_LENGTHS = (128, 129)       # one length of each kind: a multiple of 128, and not
 
 
 def wants_warmup(model: torch.nn.Module) -> bool:
-    """Whether the model's attention is PyTorch's SDPA on a CUDA device with cuDNN attention enabled."""
+    """Whether the model's attention is PyTorch's SDPA with cuDNN attention enabled, on a CUDA device where cuDNN
+    attention is SDPA's first choice (compute capability 9.0 and newer)."""
     config = getattr(model, "config", None)
     return (getattr(config, "_attn_implementation", None) == "sdpa" and torch.backends.cuda.cudnn_sdp_enabled()
-            and next(model.parameters()).device.type == "cuda")
+            and _on_hopper_or_newer(model))
+
+
+def _on_hopper_or_newer(model: torch.nn.Module) -> bool:
+    device = next(model.parameters()).device
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def reentrant_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether the model's layers recompute under reentrant gradient checkpointing, which refuses a backward to chosen
+    inputs (torch's checkpoint is reentrant unless given use_reentrant=False)."""
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True and module.training:
+            function = getattr(module, "_gradient_checkpointing_func", None)
+            return getattr(function, "keywords", {}).get("use_reentrant") is not False
+    return False
 
 
 def warm_attention(model: torch.nn.Module, token_id: int, grad: bool, masked: bool,
                    lengths: tuple[int, ...] = WARM_LENGTHS) -> None:
-    """Run the model on two rows of `token_id` at each length, with a padding mask (the second row left-padded by a
-    token) or without; without gradients, or (grad) with a backward that reaches the input embeddings only. No
-    parameter's gradient, no random-number state and no training flag changes."""
+    """Run the model on two rows of `token_id` at each length (those within a learned position table), with a padding
+    mask (the second row left-padded by a token) or without; without gradients, or (grad) with a backward that
+    reaches the input embeddings only. No parameter's gradient, no random-number state and no training flag
+    changes."""
+    limit = learned_position_limit(model.config.get_text_config())
+    devices = sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
     device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for length in lengths:
+    with torch.random.fork_rng(devices=devices):
+        for length in (n for n in lengths if limit is None or n <= limit):
             ids = torch.full((2, length), token_id, device=device)
             mask = torch.ones_like(ids)
-            mask[1, 0] = 0 if masked else 1
+            if masked:
+                mask[1, 0] = 0
             if not grad:
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
@@ -49,24 +73,30 @@ def warm_attention(model: torch.nn.Module, token_id: int, grad: bool, masked: bo
 
 class AttentionWarmup:
     """Remembers which varieties of forward (gradients on or off, padding mask or none) a trainer has run:
-    `before_forward` warms a variety the first time it comes (`warm_attention`), where the model is on SDPA with cuDNN
-    attention on CUDA (`wants_warmup`). backward=False warms gradient forwards without their backward (reentrant
-    gradient checkpointing refuses a backward to chosen inputs)."""
+    `before_forward` warms a variety the first time it comes to a model that wants it (`wants_warmup`). Under
+    reentrant gradient checkpointing a gradient variety is warmed as its first pass runs, without gradients: its
+    recompute and backward are not warmed. The warm-up only saves time, so a failure warns once and ends warming."""
 
-    def __init__(self, token_id: int, backward: bool = True):
-        self.token_id, self.backward = token_id, backward
+    def __init__(self, token_id: int):
+        self.token_id = token_id
         self.seen: set[tuple[bool, bool]] = set()
+        self.failed = False
 
-    def pending(self) -> bool:
-        """Whether a variety with the current gradient mode is still to come."""
+    def pending(self, model: torch.nn.Module) -> bool:
+        """Whether a variety with the current gradient mode is still to be warmed for `model`."""
         grad = torch.is_grad_enabled()
-        return not {(grad, False), (grad, True)} <= self.seen
+        return not self.failed and not {(grad, False), (grad, True)} <= self.seen and wants_warmup(model)
 
     def before_forward(self, model: torch.nn.Module, masked: bool) -> None:
         """Call before a forward of `model` (unwrapped) with the current gradient mode; masked: with padding."""
         variety = (torch.is_grad_enabled(), masked)
-        if variety in self.seen:
+        if self.failed or variety in self.seen or not wants_warmup(model):
             return
         self.seen.add(variety)
-        if wants_warmup(model):
-            warm_attention(model, self.token_id, grad=variety[0] and self.backward, masked=masked)
+        grad = variety[0] and not reentrant_checkpointing(model)
+        try:
+            warm_attention(model, self.token_id, grad=grad, masked=masked)
+        except Exception as error:      # a speed-up only: never worth a failed run
+            self.failed = True
+            warnings.warn(f"cuDNN attention warm-up skipped from here on: {type(error).__name__}: {error}",
+                          RuntimeWarning, stacklevel=2)

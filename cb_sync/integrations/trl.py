@@ -13,8 +13,9 @@ training flag; a KV cache larger than `KEPT_CACHE_MAX_BYTES` is released after e
 the captured decode graphs are kept, and replayed again where the next rollout's cache lands at the same address).
 
 Before the first logprob forward of each variety (with or without gradients, with or without padding), the trainer
-runs the model once on short rows of that variety (`attention_warmup`): cuDNN attention builds kernels at run time for
-each kind of sequence length, and the first forward of a new kind would otherwise cost a step ~2 s mid-run.
+runs the model on short rows of that variety at two lengths (`attention_warmup`): cuDNN attention builds kernels at
+run time for each kind of sequence length, and the first forward of a new kind would otherwise cost a step ~2 s
+mid-run.
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
@@ -103,9 +104,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.importance_sampling_correction = importance_sampling_correction
         self.log_logprob_diff = log_logprob_diff
         self.group_by_length = _length_groups_wanted(self, group_by_length)
-        reentrant = self.args.gradient_checkpointing and \
-            (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False)
-        self._attention_warmup = AttentionWarmup(self._tokenizer.pad_token_id, backward=not reentrant)
+        self._attention_warmup = AttentionWarmup(self._tokenizer.pad_token_id)
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
         self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
@@ -225,10 +224,11 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                                     **kwargs):
         """TRL's `_get_per_token_logps_and_entropies`, after cuDNN attention's builds for the varieties of forward its
         chunks of rows will be (`attention_warmup`)."""
-        if self._attention_warmup.pending():
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        if self._attention_warmup.pending(unwrapped):
             chunks = attention_mask.split(batch_size or attention_mask.size(0))
             for masked in set(torch.stack([~chunk.bool().all() for chunk in chunks]).tolist()):
-                self._attention_warmup.before_forward(self.accelerator.unwrap_model(model), masked)
+                self._attention_warmup.before_forward(unwrapped, masked)
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                           *args, **kwargs)
 
@@ -246,6 +246,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         sort_rows = batch_size < rows and not torch.is_grad_enabled()
         order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if sort_rows
                  else torch.arange(rows, device=input_ids.device))
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         logps, entropies = [], []
         for start in range(0, rows, batch_size):
             chunk = order[start:start + batch_size]
@@ -256,7 +257,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             masked = not bool(mask.all())
             if masked:                      # a forward without padding keeps SDPA's unmasked causal path
                 ids, mask = left_padded(ids, mask, pad_token_id)
-            self._attention_warmup.before_forward(self.accelerator.unwrap_model(model), masked)
+            self._attention_warmup.before_forward(unwrapped, masked)
             chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, logits_to_keep - trailing,
                                                           compute_entropy=compute_entropy)
             logps.append(torch.nn.functional.pad(chunk_logps, (0, trailing)))
