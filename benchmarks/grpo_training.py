@@ -183,12 +183,17 @@ def report(args, rows: list[dict]) -> str:
     first = rows[0]["per_step"]
     lengths = [n for s in first for n in s["completion_lens"]]
     shape = "tiny Qwen3, CPU" if args.tiny else f"{args.model} shape"
-    per_step = "\n".join(f"- {r['variant']}: " + ", ".join(f"{s['step_s']:.2f} ({'/'.join(map(str, s['forward_widths']))})"
-                                                        for s in r["per_step"]) for r in rows)
+    per_step = "\n".join(_steps_line(row) for row in rows)
     return (f"# The training half of Workload {args.workload} ({shape}), synthetic rollouts\n\n"
             f"{args.steps} steps a variant, medians without the first {args.warmup}; every variant trained on the "
-            f"same completions (mean length {statistics.mean(lengths):.0f}, max {max(lengths)}).\n\n{table.rstrip()}\n\n"
-            f"Seconds of each step in order (the widths of its logprob forwards):\n\n{per_step}\n")
+            f"same completions (mean length {statistics.mean(lengths):.0f}, max {max(lengths)}).\n\n"
+            f"{table.rstrip()}\n\nSeconds of each step in order (the widths of its logprob forwards):\n\n{per_step}\n")
+
+
+def _steps_line(row: dict) -> str:
+    """'- variant: 7.78 (704/768), ...': a variant's step seconds in order, each with its forwards' widths."""
+    steps = (f"{s['step_s']:.2f} ({'/'.join(map(str, s['forward_widths']))})" for s in row["per_step"])
+    return f"- {row['variant']}: " + ", ".join(steps)
 
 
 def parse_args(argv=None):

@@ -144,7 +144,8 @@ def test_trainer_warms_each_variety_before_its_first_forward_and_trains_the_same
                                            args=grpo_args(tmp_path, max_steps=2, beta=0.1),    # a reference forward
                                            train_dataset=dataset(), processing_class=tokenizer(),
                                            cb_config=CBConfig(block_size=4, max_batch_tokens=64),
-                                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                                           peft_config=LoraConfig(r=4, lora_alpha=8,
+                                                                  target_modules=["q_proj", "v_proj"]),
                                            group_by_length=group_by_length)
         trainer.train()
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
