@@ -70,8 +70,8 @@ class StepProfile(TrainerCallback):
         self.prof.__exit__(None, None, None)
         averages = self.prof.key_averages()
         self.path.write_text("\n\n".join(f"sorted by {key}\n" + averages.table(sort_by=key, row_limit=60)
-                                         for key in ("self_cuda_time_total" if self.cuda else "self_cpu_time_total",
-                                                     "cpu_time_total")))
+                                         for key in (("self_cuda_time_total",) if self.cuda else ())
+                                         + ("self_cpu_time_total", "cpu_time_total")))
         self.prof = None
 
 

@@ -4,7 +4,8 @@ the trainer's side train on the very same rows and their A/B is not lost in the 
 rollouts (G2 at 4B: training per completion token differed by ~20% between two runs of the same code).
 
     python -m benchmarks.grpo_training [--tiny] [--workload G2] [--model qwen3-4b] [--steps 6] [--warmup 2]
-        [--variants grouped width1 ungrouped no_cudnn no_warmup] [--name grpo_training] [--out DIR]
+        [--variants grouped width1 ungrouped no_cudnn no_warmup] [--profile-step K] [--name grpo_training]
+        [--out DIR]
 
 Variants (each trains a freshly built model with the same seed, in this process, one after the other):
     grouped    the default trainer: micro-batches grouped by length, each forward trimmed of its shared padding and
@@ -13,6 +14,7 @@ Variants (each trains a freshly built model with the same seed, in this process,
     ungrouped  TRL's micro-batches (group_by_length=False)
     no_cudnn   grouped, with cuDNN attention off in SDPA (PyTorch then takes flash or memory-efficient attention)
     no_warmup  grouped, without the trainer's attention warm-up at each variety's first forward (`attention_warmup`)
+    compiled   grouped, with GRPOConfig(torch_compile=True): the trainer's model wrapped in torch.compile
 
 A step is timed from TRL's step begin to its end: the reference forward, each micro-batch's loss forward, recompute
 and backward, the optimizer (the synthetic rollout itself takes about a millisecond). G2's completions follow its
@@ -22,7 +24,8 @@ completions), the tokens the logprob forwards were given (padding included; grad
 counted) and their widths.
 
 Writes <out>/<name>.json and <name>.md: per variant the median step, ms per 1k completion tokens, forward tokens over
-real tokens, distinct forward widths and peak memory (torch)."""
+real tokens, distinct forward widths and peak memory (torch). --profile-step K: torch.profiler tables of each
+variant's step K in <out>/<name>_<variant>_profile.txt."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import torch
 
 from benchmarks.common import MODEL_CONFIGS, RESULTS, markdown_table, write_results
 from benchmarks.grpo import build, grpo_config, resolve, stop_ids
+from benchmarks.grpo_hook import StepProfile
 from benchmarks.grpo_stats import GRPOStats
 from benchmarks.grpo_workload import REWARDS, WORKLOADS, lora_config, make_dataset, make_tokenizer, stop_probability
 
@@ -45,7 +49,8 @@ VARIANTS = {"grouped": dict(group_by_length=True),
             "width1": dict(group_by_length=True, width_multiple=1),
             "ungrouped": dict(group_by_length=False),
             "no_cudnn": dict(group_by_length=True, cudnn=False),
-            "no_warmup": dict(group_by_length=True, warmup=False)}
+            "no_warmup": dict(group_by_length=True, warmup=False),
+            "compiled": dict(group_by_length=True, config=dict(torch_compile=True))}
 
 
 class SyntheticRollouts:
@@ -144,16 +149,20 @@ def run_variant(name: str, args, tokenizer, dataset) -> dict:
 
     from cb_sync.integrations.trl import CBSyncGRPOTrainer
     settings = dict(VARIANTS[name])
-    group_by_length = settings.pop("group_by_length")
+    group_by_length, config = settings.pop("group_by_length"), settings.pop("config", {})
     stops = stop_ids(args, tokenizer)
     torch.manual_seed(args.seed)
     model = build(args, tokenizer, stops, args.model)
     rollouts, forwards = SyntheticRollouts(args.work, tokenizer, stops, args.seed), ForwardTokens()
     stats = StepTokens(rollouts, forwards, backend=name, verbose=False, cuda=not args.tiny)
+    callbacks = [stats]
+    if args.profile_step:
+        callbacks.append(StepProfile(args.profile_step, args.out / f"{args.name}_{name}_profile.txt", not args.tiny))
     with tempfile.TemporaryDirectory() as tmp, variant_settings(**settings), forwards.watching():
-        trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS, args=grpo_config(args, tmp, args.work),
-                                    train_dataset=dataset, processing_class=tokenizer, peft_config=lora_config(),
-                                    group_by_length=group_by_length, callbacks=[stats])
+        trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS,
+                                    args=grpo_config(args, tmp, args.work, **config), train_dataset=dataset,
+                                    processing_class=tokenizer, peft_config=lora_config(),
+                                    group_by_length=group_by_length, callbacks=callbacks)
         trainer.remove_callback(PrinterCallback)
         trainer._generate_single_turn = rollouts
         trainer.train()
@@ -205,6 +214,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps a variant (6; tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (2; tiny 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-step", type=int, default=0, help="profile this step of each variant (0: none)")
     parser.add_argument("--name", default="grpo_training")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
