@@ -24,8 +24,8 @@ completions), the tokens the logprob forwards were given (padding included; grad
 counted) and their widths.
 
 Writes <out>/<name>.json and <name>.md: per variant the median step, ms per 1k completion tokens, forward tokens over
-real tokens, distinct forward widths and peak memory (torch). --profile-step K: torch.profiler tables of each
-variant's step K in <out>/<name>_<variant>_profile.txt."""
+real tokens, distinct forward widths, peak memory (torch) and the steps whose gradient norm was not finite.
+--profile-step K: torch.profiler tables of each variant's step K in <out>/<name>_<variant>_profile.txt."""
 
 from __future__ import annotations
 
@@ -115,17 +115,17 @@ def variant_settings(width_multiple: int | None = None, cudnn: bool = True, warm
     """length_groups.WIDTH_MULTIPLE, SDPA's cuDNN switch and the trainer's attention warm-up for one variant, restored
     after."""
     from cb_sync.integrations import attention_warmup, length_groups
-    saved = length_groups.WIDTH_MULTIPLE, torch.backends.cuda.cudnn_sdp_enabled(), attention_warmup.wants_warmup
+    saved = length_groups.WIDTH_MULTIPLE, torch.backends.cuda.cudnn_sdp_enabled(), attention_warmup.warm_attention
     length_groups.WIDTH_MULTIPLE = width_multiple or saved[0]
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     if not warmup:
-        attention_warmup.wants_warmup = lambda model: False
+        attention_warmup.warm_attention = lambda *args, **kwargs: None
     try:
         yield
     finally:
         length_groups.WIDTH_MULTIPLE = saved[0]
         torch.backends.cuda.enable_cudnn_sdp(saved[1])
-        attention_warmup.wants_warmup = saved[2]
+        attention_warmup.warm_attention = saved[2]
 
 
 class StepTokens(GRPOStats):
@@ -179,15 +179,17 @@ def summarize(name: str, steps: list[dict], warmup: int) -> dict:
             "forward_tokens_per_step": round(statistics.mean(s["forward_tokens"] for s in timed)),
             "forward_widths": len({w for s in steps for w in s["forward_widths"]}),
             "peak_gib": None if steps[0]["peak_gib"] is None else round(max(s["peak_gib"] for s in steps), 2),
-            "per_step": [{k: s.get(k) for k in ("step", "step_s", "main_cpu_s", "completion_lens", "forward_tokens",
-                                                 "forward_widths")} for s in steps]}
+            "nonfinite_grad_steps": [s["step"] for s in steps if not math.isfinite(s.get("grad_norm") or 0.0)],
+            "per_step": [{k: s.get(k) for k in ("step", "step_s", "main_cpu_s", "grad_norm", "completion_lens",
+                                                 "forward_tokens", "forward_widths")} for s in steps]}
 
 
 def report(args, rows: list[dict]) -> str:
     headers = ["variant", "steps", "median step s", "training ms per 1k completion tokens", "forward tokens a step",
-               "distinct forward widths", "peak GiB (torch)"]
+               "distinct forward widths", "peak GiB (torch)", "steps with a non-finite grad norm"]
     table = markdown_table(headers, [[r["variant"], r["steps"], r["median_step_s"], r["ms_per_1k_completion_tokens"],
-                                      f"{r['forward_tokens_per_step']:,}", r["forward_widths"], r["peak_gib"]]
+                                      f"{r['forward_tokens_per_step']:,}", r["forward_widths"], r["peak_gib"],
+                                      ", ".join(map(str, r["nonfinite_grad_steps"])) or "none"]
                                      for r in rows])
     first = rows[0]["per_step"]
     lengths = [n for s in first for n in s["completion_lens"]]

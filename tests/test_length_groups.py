@@ -69,7 +69,27 @@ def test_left_padded_widens_to_the_multiple_with_masked_pad_columns():
     assert torch.equal(wide_ids[:, 3:], ids) and torch.equal(wide_mask[:, 3:], mask)
     assert (wide_ids[:, :3] == 7).all() and (wide_mask[:, :3] == 0).all()
     assert left_padded(ids, mask, 7, multiple=5)[0] is ids           # already a multiple: unchanged
-    assert left_padded(ids, mask, 7)[0].shape[1] == length_groups.WIDTH_MULTIPLE == 64
+    assert left_padded(ids, mask, 7)[0].shape[1] == length_groups.WIDTH_MULTIPLE == 128
+
+
+def test_widths_with_padding_are_kept_off_the_faulty_remainder():
+    """cuDNN attention's NaN-gradient widths (64 past a multiple of 128, with a mask) are widened to the next multiple
+    of 128, padding on the left; other widths, and forwards without padding, are left alone; WIDTH_MULTIPLE's widths
+    are never faulty."""
+    modulus, remainder = length_groups.FAULTY_WIDTH
+    assert length_groups.WIDTH_MULTIPLE % modulus == 0
+    for width in (64, 192, 704):
+        ids = torch.randint(3, 100, (2, width))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        wide_ids, wide_mask = length_groups.clear_of_faulty_width(ids, mask, pad_token_id=0)
+        assert wide_ids.shape[1] == width + 64 and wide_ids.shape[1] % modulus == 0
+        assert torch.equal(wide_ids[:, 64:], ids) and torch.equal(wide_mask[:, 64:], mask)
+        assert not wide_mask[:, :64].any() and (wide_ids[:, :64] == 0).all()
+        full = torch.ones_like(ids)
+        assert length_groups.clear_of_faulty_width(ids, full, 0)[0] is ids            # no mask: no fault
+        other = torch.randint(3, 100, (2, width + 1))
+        assert length_groups.clear_of_faulty_width(other, torch.zeros_like(other), 0)[0] is other
 
 
 @pytest.fixture
@@ -133,6 +153,43 @@ def test_only_forwards_that_keep_padding_are_widened(trainer, monkeypatch):
     assert widths == [(11, True), (length_groups.WIDTH_MULTIPLE, False)]
 
 
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_gradient_forwards_on_cudnn_attention_avoid_the_faulty_width(tmp_path, monkeypatch, group_by_length):
+    """Where SDPA takes cuDNN attention, a forward with gradients and padding never reaches TRL at a faulty width (the
+    grouped path through WIDTH_MULTIPLE, even when set to 1, TRL's own by one more widening), and its logprobs are
+    TRL's on the real tokens (fp32; rotary positions shift, equal up to rounding). Without gradients the width stays."""
+    from cb_sync.integrations import attention_warmup, trl as cb_trl
+    monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 1)
+    monkeypatch.setattr(attention_warmup, "warm_attention", lambda *args, **kwargs: None)
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                args=grpo_args(tmp_path, per_device_train_batch_size=4, max_steps=1),
+                                train_dataset=dataset(), processing_class=tokenizer(), group_by_length=group_by_length)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    batch = _padded_rows([60, 50, 54, 3], [132, 130, 4, 120], 60, 132, gen)       # 192 columns, 64 past 128
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    assert ids.shape[1] % 128 == 64
+    widths, trl_forward = [], GRPOTrainer._get_per_token_logps_and_entropies
+
+    def recording(self, model, input_ids, attention_mask, *args, **kwargs):
+        widths.append((torch.is_grad_enabled(), input_ids.shape[1]))
+        return trl_forward(self, model, input_ids, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
+    with torch.no_grad():
+        expected = trl_forward(trainer, trainer.model, ids, mask, 132)[0]
+    monkeypatch.setattr(cb_trl, "prefers_cudnn_attention", lambda model: True)
+    got = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 132)[0]
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 132)
+    real = batch["completion_mask"].bool()
+    torch.testing.assert_close(got[real], expected[real], atol=2e-5, rtol=1e-5)
+    grad_widths = [w for grad, w in widths if grad]
+    assert grad_widths and all(w % 128 != 64 for w in grad_widths)
+    if not group_by_length:
+        assert grad_widths == [256] and [w for grad, w in widths if not grad] == [192]
+
+
 def test_grouped_training_sees_sorted_micro_batches_and_forwards_without_shared_padding(trainer, monkeypatch):
     """Each step's micro-batches sorted; every forward trimmed of its shared padding (no widening here: it has a
     test of its own)."""
@@ -175,8 +232,8 @@ def test_group_by_length_refuses_settings_that_regrouping_changes(tmp_path, bad)
 
 def test_group_by_length_is_on_by_default_where_the_settings_allow_it(tmp_path):
     """None (the default): on with TRL's defaults and one optimizer step per rollout; off, without an error, where
-    regrouping would change the loss, in batch-invariant mode and for a model with learned absolute positions; False keeps TRL's micro-batches; other values are
-    refused."""
+    regrouping would change the loss, in batch-invariant mode and for a model with learned absolute positions; False
+    keeps TRL's micro-batches; other values are refused."""
     def made(group_by_length="default", cb_config=None, model=None, **extra):
         chosen = {} if group_by_length == "default" else dict(group_by_length=group_by_length)
         return CBSyncGRPOTrainer(model=model or tiny_model(), reward_funcs=even_fraction,

@@ -23,7 +23,7 @@ from ..validation import learned_position_limit
 WARM_LENGTHS = (128, 129)       # one length of each kind: a multiple of 128, and not
 
 
-def wants_warmup(model: torch.nn.Module) -> bool:
+def prefers_cudnn_attention(model: torch.nn.Module) -> bool:
     """Whether the model's attention is PyTorch's SDPA with cuDNN attention enabled, on a CUDA device where cuDNN
     attention is SDPA's first choice (compute capability 9.0 and newer)."""
     config = getattr(model, "config", None)
@@ -73,9 +73,10 @@ def warm_attention(model: torch.nn.Module, token_id: int, grad: bool, masked: bo
 
 class AttentionWarmup:
     """Remembers which varieties of forward (gradients on or off, padding mask or none) a trainer has run:
-    `before_forward` warms a variety the first time it comes to a model that wants it (`wants_warmup`). Under
-    reentrant gradient checkpointing a gradient variety is warmed as its first pass runs, without gradients: its
-    recompute and backward are not warmed. The warm-up only saves time, so a failure warns once and ends warming."""
+    `before_forward` warms a variety the first time it comes to a model that takes cuDNN attention
+    (`prefers_cudnn_attention`). Under reentrant gradient checkpointing a gradient variety is warmed as its first pass
+    runs, without gradients: its recompute and backward are not warmed. The warm-up only saves time, so a failure warns
+    once and ends warming."""
 
     def __init__(self, token_id: int):
         self.token_id = token_id
@@ -85,12 +86,13 @@ class AttentionWarmup:
     def pending(self, model: torch.nn.Module) -> bool:
         """Whether a variety with the current gradient mode is still to be warmed for `model`."""
         grad = torch.is_grad_enabled()
-        return not self.failed and not {(grad, False), (grad, True)} <= self.seen and wants_warmup(model)
+        return (not self.failed and not {(grad, False), (grad, True)} <= self.seen
+                and prefers_cudnn_attention(model))
 
     def before_forward(self, model: torch.nn.Module, masked: bool) -> None:
         """Call before a forward of `model` (unwrapped) with the current gradient mode; masked: with padding."""
         variety = (torch.is_grad_enabled(), masked)
-        if self.failed or variety in self.seen or not wants_warmup(model):
+        if self.failed or variety in self.seen or not prefers_cudnn_attention(model):
             return
         self.seen.add(variety)
         grad = variety[0] and not reentrant_checkpointing(model)

@@ -2,7 +2,8 @@
 then cuts it into micro-batches, so every forward of the loss is as wide as the longest sequence of the rollout (with
 lengths as varied as GRPO's, about twice the real tokens). `by_length` regroups the rows so that each micro-batch holds
 completions of similar lengths; `padding_columns` finds the columns of one forward's rows that are padding in all of
-them, which the forward can then skip; `left_padded` widens what is left to a multiple of WIDTH_MULTIPLE columns."""
+them, which the forward can then skip; `left_padded` widens what is left to a multiple of WIDTH_MULTIPLE columns;
+`clear_of_faulty_width` widens a forward of TRL's own whose width meets a cuDNN attention fault."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ import torch
 
 # Forwards are widened to a multiple of this many columns: cuDNN attention (PyTorch's SDPA choice on Hopper) builds a
 # plan for every new sequence length (36-104 ms on an H200, `benchmarks/results/sdpa_first_use.md`), and micro-batches
-# trimmed to their rows would have a new width almost every time; 64 columns add ~32 padding tokens a row on average.
-WIDTH_MULTIPLE = 64
+# trimmed to their rows would have a new width almost every time; 128 columns add ~64 padding tokens a row on average.
+# Not 64: see FAULTY_WIDTH.
+WIDTH_MULTIPLE = 128
+
+# With a mask, torch 2.11's cuDNN attention backward returns NaN query gradients at widths of 64 past a multiple of 128
+# for rows whose logsumexp is below ~-88.7, which fully masked (left-padding) rows are (pytorch/pytorch#196678).
+# Workload G2 at 4B, its forwards widened to multiples of 64, had NaN gradients from its first step on an H200.
+FAULTY_WIDTH = (128, 64)        # width % 128 == 64
 
 
 def by_length(micro_batches: list[dict]) -> list[dict]:
@@ -48,6 +55,16 @@ def left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token
         return input_ids, attention_mask
     return (torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id),
             torch.nn.functional.pad(attention_mask, (extra, 0)))
+
+
+def clear_of_faulty_width(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, T], left-padded to a multiple of 128 columns where they hold padding and T is
+    a FAULTY_WIDTH (a forward whose cuDNN attention backward would give NaN gradients), else unchanged."""
+    modulus, remainder = FAULTY_WIDTH
+    if input_ids.shape[1] % modulus != remainder or bool(attention_mask.all()):
+        return input_ids, attention_mask
+    return left_padded(input_ids, attention_mask, pad_token_id, multiple=modulus)
 
 
 def _joined(values: list):

@@ -15,7 +15,8 @@ the captured decode graphs are kept, and replayed again where the next rollout's
 Before the first logprob forward of each variety (with or without gradients, with or without padding), the trainer
 runs the model on short rows of that variety at two lengths (`attention_warmup`): cuDNN attention builds kernels at
 run time for each kind of sequence length, and the first forward of a new kind would otherwise cost a step ~2 s
-mid-run.
+mid-run. A forward with gradients and padding whose width is 64 past a multiple of 128 is left-padded to the next
+multiple: there torch 2.11's cuDNN attention backward gives NaN gradients (`length_groups.FAULTY_WIDTH`).
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
@@ -54,8 +55,8 @@ from ..driver import SyncCBDriver
 from ..validation import learned_position_limit
 from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
-from .attention_warmup import AttentionWarmup
-from .length_groups import by_length, left_padded, padding_columns
+from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
+from .length_groups import by_length, clear_of_faulty_width, left_padded, padding_columns
 from .transformers import sampling_params_from_generation_config
 
 __all__ = ["CBSyncGRPOTrainer"]
@@ -223,14 +224,25 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     def _warmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, *args,
                                     **kwargs):
         """TRL's `_get_per_token_logps_and_entropies`, after cuDNN attention's builds for the varieties of forward its
-        chunks of rows will be (`attention_warmup`)."""
+        chunks of rows will be (`attention_warmup`), at a width clear of cuDNN attention's fault (`_clear_of_fault`)."""
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        input_ids, attention_mask = self._clear_of_fault(unwrapped, input_ids, attention_mask)
         if self._attention_warmup.pending(unwrapped):
             chunks = attention_mask.split(batch_size or attention_mask.size(0))
             for masked in set(torch.stack([~chunk.bool().all() for chunk in chunks]).tolist()):
                 self._attention_warmup.before_forward(unwrapped, masked)
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                           *args, **kwargs)
+
+    def _clear_of_fault(self, model, input_ids, attention_mask):
+        """A forward with gradients through cuDNN attention, widened where its width would give NaN gradients
+        (`length_groups.clear_of_faulty_width`); models with learned absolute positions keep theirs (their logprobs
+        would change)."""
+        if not torch.is_grad_enabled() or not prefers_cudnn_attention(model):
+            return input_ids, attention_mask
+        if learned_position_limit(model.config.get_text_config()) is not None:
+            return input_ids, attention_mask
+        return clear_of_faulty_width(input_ids, attention_mask, self._tokenizer.pad_token_id)
 
     def _trimmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                      compute_entropy=False, compute_aux_loss=False, **multimodal):
@@ -256,7 +268,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             ids, mask = input_ids[chunk, columns], mask[:, columns]
             masked = not bool(mask.all())
             if masked:                      # a forward without padding keeps SDPA's unmasked causal path
-                ids, mask = left_padded(ids, mask, pad_token_id)
+                ids, mask = self._clear_of_fault(unwrapped, *left_padded(ids, mask, pad_token_id))
             self._attention_warmup.before_forward(unwrapped, masked)
             chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, logits_to_keep - trailing,
                                                           compute_entropy=compute_entropy)
