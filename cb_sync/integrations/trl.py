@@ -16,7 +16,9 @@ Before the first logprob forward of each variety (with or without gradients, wit
 runs the model on short rows of that variety at two lengths (`attention_warmup`): cuDNN attention builds kernels at
 run time for each kind of sequence length, and the first forward of a new kind would otherwise cost a step ~2 s
 mid-run. A forward with gradients and padding whose width is 64 past a multiple of 128 is left-padded to the next
-multiple: there torch 2.11's cuDNN attention backward gives NaN gradients (`length_groups.FAULTY_WIDTH`).
+multiple: there torch 2.11's cuDNN attention backward gives NaN gradients (`length_groups.FAULTY_WIDTH`). Under bf16
+or fp16 mixed precision the training step's forwards skip PEFT's cast of LoRA inputs to the fp32 adapter dtype, which
+autocast undoes (`lora_input_casts`: the same bits, fewer copies); rollouts keep it.
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
@@ -57,6 +59,7 @@ from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
 from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
 from .length_groups import by_length, clear_of_faulty_width, left_padded, padding_columns
+from .lora_input_casts import input_casts
 from .transformers import sampling_params_from_generation_config
 
 __all__ = ["CBSyncGRPOTrainer"]
@@ -147,7 +150,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         driver = self.cb_driver
         # batch-invariant: the rollout runs under the autocast state of the trainer's forward, as its logprobs must
         autocast = self.accelerator.autocast() if self.cb_config.batch_invariant else contextlib.nullcontext()
-        with profiling_context(self, "cb_sync.generate"), autocast:
+        with profiling_context(self, "cb_sync.generate"), autocast, input_casts(driver.model, enabled=True):
             results = driver.generate(prompt_ids, self._cb_params, progress_bar=bool(self.cb_config.progress_bar))
         return [r.token_ids for r in results], [r.logprobs for r in results]
 
@@ -169,7 +172,11 @@ class CBSyncGRPOTrainer(GRPOTrainer):
 
     def training_step(self, *args, **kwargs):
         if not self.cb_config.batch_invariant:
-            return super().training_step(*args, **kwargs)
+            # TRL runs every forward of the step under the accelerator's autocast: there PEFT's cast of LoRA inputs
+            # to fp32 is a round trip (`lora_input_casts`); the rollout restores it
+            skip = self.accelerator.mixed_precision in ("bf16", "fp16")
+            with input_casts(self.accelerator.unwrap_model(self.model), enabled=not skip):
+                return super().training_step(*args, **kwargs)
         # gradient checkpointing recomputes the forward during backward: there too through the invariant path
         cfg = self.cb_config
         with invariant_training(self.accelerator.unwrap_model(self.model), cfg.lora_kernels, cfg.tuning.lora):
@@ -230,7 +237,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if self._attention_warmup.pending(unwrapped):
             chunks = attention_mask.split(batch_size or attention_mask.size(0))
             for masked in set(torch.stack([~chunk.bool().all() for chunk in chunks]).tolist()):
-                self._attention_warmup.before_forward(unwrapped, masked)
+                with self.accelerator.autocast():       # as the forward it warms
+                    self._attention_warmup.before_forward(unwrapped, masked)
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                           *args, **kwargs)
 
@@ -269,7 +277,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             masked = not bool(mask.all())
             if masked:                      # a forward without padding keeps SDPA's unmasked causal path
                 ids, mask = self._clear_of_fault(unwrapped, *left_padded(ids, mask, pad_token_id))
-            self._attention_warmup.before_forward(unwrapped, masked)
+            with self.accelerator.autocast():           # as the forward it warms
+                self._attention_warmup.before_forward(unwrapped, masked)
             chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, logits_to_keep - trailing,
                                                           compute_entropy=compute_entropy)
             logps.append(torch.nn.functional.pad(chunk_logps, (0, trailing)))
