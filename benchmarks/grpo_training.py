@@ -15,6 +15,7 @@ Variants (each trains a freshly built model with the same seed, in this process,
     no_cudnn   grouped, with cuDNN attention off in SDPA (PyTorch then takes flash or memory-efficient attention)
     no_warmup  grouped, without the trainer's attention warm-up at each variety's first forward (`attention_warmup`)
     compiled   grouped, with GRPOConfig(torch_compile=True): the trainer's model wrapped in torch.compile
+    input_casts grouped, with PEFT's cast of LoRA inputs to the adapter dtype kept (`lora_input_casts`)
 
 A step is timed from TRL's step begin to its end: the reference forward, each micro-batch's loss forward, recompute
 and backward, the optimizer (the synthetic rollout itself takes about a millisecond). G2's completions follow its
@@ -50,7 +51,8 @@ VARIANTS = {"grouped": dict(group_by_length=True),
             "ungrouped": dict(group_by_length=False),
             "no_cudnn": dict(group_by_length=True, cudnn=False),
             "no_warmup": dict(group_by_length=True, warmup=False),
-            "compiled": dict(group_by_length=True, config=dict(torch_compile=True))}
+            "compiled": dict(group_by_length=True, config=dict(torch_compile=True)),
+            "input_casts": dict(group_by_length=True, skip_casts=False)}
 
 
 class SyntheticRollouts:
@@ -111,21 +113,26 @@ class ForwardTokens:
 
 
 @contextlib.contextmanager
-def variant_settings(width_multiple: int | None = None, cudnn: bool = True, warmup: bool = True):
-    """length_groups.WIDTH_MULTIPLE, SDPA's cuDNN switch and the trainer's attention warm-up for one variant, restored
-    after."""
-    from cb_sync.integrations import attention_warmup, length_groups
-    saved = length_groups.WIDTH_MULTIPLE, torch.backends.cuda.cudnn_sdp_enabled(), attention_warmup.warm_attention
+def variant_settings(width_multiple: int | None = None, cudnn: bool = True, warmup: bool = True,
+                     skip_casts: bool = True):
+    """length_groups.WIDTH_MULTIPLE, SDPA's cuDNN switch, the trainer's attention warm-up and its skipping of LoRA
+    input casts for one variant, restored after."""
+    from cb_sync.integrations import attention_warmup, length_groups, lora_input_casts
+    saved = (length_groups.WIDTH_MULTIPLE, torch.backends.cuda.cudnn_sdp_enabled(), attention_warmup.warm_attention,
+             lora_input_casts.round_trip_layers)
     length_groups.WIDTH_MULTIPLE = width_multiple or saved[0]
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     if not warmup:
         attention_warmup.warm_attention = lambda *args, **kwargs: None
+    if not skip_casts:
+        lora_input_casts.round_trip_layers = lambda model: []
     try:
         yield
     finally:
         length_groups.WIDTH_MULTIPLE = saved[0]
         torch.backends.cuda.enable_cudnn_sdp(saved[1])
         attention_warmup.warm_attention = saved[2]
+        lora_input_casts.round_trip_layers = saved[3]
 
 
 class StepTokens(GRPOStats):
