@@ -99,3 +99,21 @@ def test_trainer_skips_the_cast_in_its_forwards_keeps_it_in_rollouts_and_trains_
     monkeypatch.setattr(lora_input_casts, "round_trip_layers", lambda model: [])
     kept = train()
     assert all(torch.equal(skipped[k], kept[k]) for k in kept)
+
+
+def test_trainer_leaves_peft_settings_alone_without_mixed_precision(tmp_path):
+    """In full precision no forward runs under autocast, so the trainer neither skips the cast nor restores it: a
+    setting of the user's own stays as it is through a training step's context and a rollout's."""
+    from cb_sync import CBConfig
+    from cb_sync.integrations.trl import CBSyncGRPOTrainer
+    from test_integration_trl import dataset, even_fraction, grpo_args, tokenizer, tiny_model
+
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path, max_steps=1),
+                                train_dataset=dataset(), processing_class=tokenizer(),
+                                cb_config=CBConfig(block_size=4, max_batch_tokens=64),
+                                peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    layers = round_trip_layers(trainer.model)
+    layers[0].cast_input_dtype_enabled = False
+    for enabled in (False, True):
+        with trainer._lora_input_casts(trainer.model, enabled):
+            assert [layer.cast_input_dtype_enabled for layer in layers] == [False] + [True] * (len(layers) - 1)

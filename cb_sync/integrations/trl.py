@@ -150,7 +150,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         driver = self.cb_driver
         # batch-invariant: the rollout runs under the autocast state of the trainer's forward, as its logprobs must
         autocast = self.accelerator.autocast() if self.cb_config.batch_invariant else contextlib.nullcontext()
-        with profiling_context(self, "cb_sync.generate"), autocast, input_casts(driver.model, enabled=True):
+        with profiling_context(self, "cb_sync.generate"), autocast, self._lora_input_casts(driver.model, True):
             results = driver.generate(prompt_ids, self._cb_params, progress_bar=bool(self.cb_config.progress_bar))
         return [r.token_ids for r in results], [r.logprobs for r in results]
 
@@ -172,15 +172,20 @@ class CBSyncGRPOTrainer(GRPOTrainer):
 
     def training_step(self, *args, **kwargs):
         if not self.cb_config.batch_invariant:
-            # TRL runs every forward of the step under the accelerator's autocast: there PEFT's cast of LoRA inputs
-            # to fp32 is a round trip (`lora_input_casts`); the rollout restores it
-            skip = self.accelerator.mixed_precision in ("bf16", "fp16")
-            with input_casts(self.accelerator.unwrap_model(self.model), enabled=not skip):
+            with self._lora_input_casts(self.accelerator.unwrap_model(self.model), False):
                 return super().training_step(*args, **kwargs)
         # gradient checkpointing recomputes the forward during backward: there too through the invariant path
         cfg = self.cb_config
         with invariant_training(self.accelerator.unwrap_model(self.model), cfg.lora_kernels, cfg.tuning.lora):
             return super().training_step(*args, **kwargs)
+
+    def _lora_input_casts(self, model, enabled: bool):
+        """`lora_input_casts.input_casts(model, enabled)` under bf16 or fp16 mixed precision, where TRL runs every
+        forward of a training step under the accelerator's autocast and PEFT's cast of LoRA inputs to fp32 is a round
+        trip (off for the step, on again for its rollout); elsewhere PEFT's settings are left alone."""
+        if self.cb_config.batch_invariant or self.accelerator.mixed_precision not in ("bf16", "fp16"):
+            return contextlib.nullcontext()
+        return input_casts(model, enabled)
 
     @contextmanager
     def _importance_sampling_flags(self):
