@@ -19,7 +19,8 @@ every step); SIGINT (`timeout -s INT`) ends the run early and keeps what was mea
     python -m benchmarks.grpo [--tiny] [--workload G|G2] [--model qwen3-4b|qwen3-1.7b]
                               [--backends cb_sync trl_generate trl_cb trl_vllm ...] [--steps 10] [--warmup 3]
                               [--max-completion N] [--time-limit SECONDS] [--name grpo] [--out DIR]
-                              [--cb-compile] [--cb-group-by-length auto|on|off] [--cb-release-cache auto|on|off] ...
+                              [--cb-compile] [--cb-compile-layers] [--cb-group-by-length auto|on|off]
+                              [--cb-release-cache auto|on|off] ...
 
 --workload G (the default), the reference notebook's shape: a step is one optimizer step on one rollout of 4
 completions (1 prompt x 4 generations, per_device_train_batch_size 4), temperature 0.1, top_p 0.97, min_p 0.5,
@@ -144,8 +145,10 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                 row["cb_batch_invariant"] = args.cb_batch_invariant
                 trainer = CBSyncGRPOTrainer(args=grpo_config(args, tmp, work), cb_config=cb_config,
                                             release_after_rollout=AUTO_ON_OFF[args.cb_release_cache],
-                                            group_by_length=AUTO_ON_OFF[args.cb_group_by_length], **common)
+                                            group_by_length=AUTO_ON_OFF[args.cb_group_by_length],
+                                            compile_layers=args.cb_compile_layers, **common)
                 row["cb_group_by_length"], row["cb_release_cache"] = trainer.group_by_length, args.cb_release_cache
+                row["cb_compile_layers"] = args.cb_compile_layers
                 trainer._generate_single_turn = remembered(trainer._generate_single_turn, last)
             elif backend == "trl_generate":
                 trainer = GRPOTrainer(args=grpo_config(args, tmp, work), **common)
@@ -304,6 +307,8 @@ def parse_args(argv=None):
     parser.add_argument("--kl-atol", type=float, default=1e-3, help="gate: absolute per-step KL tolerance")
     parser.add_argument("--kl-rtol", type=float, default=1.0, help="gate: KL tolerance relative to the reference")
     parser.add_argument("--cb-compile", action="store_true", help="torch.compile cb_sync's decode step")
+    parser.add_argument("--cb-compile-layers", action="store_true",
+                        help="CBSyncGRPOTrainer(compile_layers=True): the training step through compiled decoder layers")
     parser.add_argument("--sdpa-cudnn", default="on", choices=["on", "off"],
                         help="cuDNN attention in the trainers' SDPA forward and backward (PyTorch's choice on Hopper; "
                              "off: flash), for every backend: cuDNN builds kernels for each new sequence length")

@@ -16,6 +16,7 @@ Variants (each trains a freshly built model with the same seed, in this process,
     no_warmup  grouped, without the trainer's attention warm-up at each variety's first forward (`attention_warmup`)
     compiled   grouped, with GRPOConfig(torch_compile=True): the trainer's model wrapped in torch.compile
     input_casts grouped, with PEFT's cast of LoRA inputs to the adapter dtype kept (`lora_input_casts`)
+    compiled_layers grouped, with each decoder layer compiled (CBSyncGRPOTrainer(compile_layers=True))
 
 A step is timed from TRL's step begin to its end: the reference forward, each micro-batch's loss forward, recompute
 and backward, the optimizer (the synthetic rollout itself takes about a millisecond). G2's completions follow its
@@ -52,7 +53,8 @@ VARIANTS = {"grouped": dict(group_by_length=True),
             "no_cudnn": dict(group_by_length=True, cudnn=False),
             "no_warmup": dict(group_by_length=True, warmup=False),
             "compiled": dict(group_by_length=True, config=dict(torch_compile=True)),
-            "input_casts": dict(group_by_length=True, skip_casts=False)}
+            "input_casts": dict(group_by_length=True, skip_casts=False),
+            "compiled_layers": dict(group_by_length=True, trainer=dict(compile_layers=True))}
 
 
 class SyntheticRollouts:
@@ -157,11 +159,12 @@ def run_variant(name: str, args, tokenizer, dataset) -> dict:
     from cb_sync.integrations.trl import CBSyncGRPOTrainer
     settings = dict(VARIANTS[name])
     group_by_length, config = settings.pop("group_by_length"), settings.pop("config", {})
+    trainer_options = settings.pop("trainer", {})
     stops = stop_ids(args, tokenizer)
     torch.manual_seed(args.seed)
     model = build(args, tokenizer, stops, args.model)
     rollouts, forwards = SyntheticRollouts(args.work, tokenizer, stops, args.seed), ForwardTokens()
-    stats = StepTokens(rollouts, forwards, backend=name, verbose=False, cuda=not args.tiny)
+    stats = StepTokens(rollouts, forwards, backend=name, verbose=not args.tiny, cuda=not args.tiny)
     callbacks = [stats]
     if args.profile_step:
         callbacks.append(StepProfile(args.profile_step, args.out / f"{args.name}_{name}_profile.txt", not args.tiny))
@@ -169,7 +172,7 @@ def run_variant(name: str, args, tokenizer, dataset) -> dict:
         trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS,
                                     args=grpo_config(args, tmp, args.work, **config), train_dataset=dataset,
                                     processing_class=tokenizer, peft_config=lora_config(),
-                                    group_by_length=group_by_length, callbacks=callbacks)
+                                    group_by_length=group_by_length, callbacks=callbacks, **trainer_options)
         trainer.remove_callback(PrinterCallback)
         trainer._generate_single_turn = rollouts
         trainer.train()

@@ -18,7 +18,9 @@ run time for each kind of sequence length, and the first forward of a new kind w
 mid-run. A forward with gradients and padding whose width is 64 past a multiple of 128 is left-padded to the next
 multiple: there torch 2.11's cuDNN attention backward gives NaN gradients (`length_groups.FAULTY_WIDTH`). Under bf16
 or fp16 mixed precision the training step's forwards skip PEFT's cast of LoRA inputs to the fp32 adapter dtype, which
-autocast undoes (`lora_input_casts`: the same bits, fewer copies); rollouts keep it.
+autocast undoes (`lora_input_casts`: the same bits, fewer copies); rollouts keep it. `compile_layers=True` runs
+the training step's forwards and backward through each decoder layer compiled (`compiled_layers`); rollouts run
+them as the driver compiled them.
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
@@ -58,6 +60,7 @@ from ..validation import learned_position_limit
 from ..patching import base_model
 from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
 from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
+from .compiled_layers import CompiledLayers
 from .length_groups import by_length, clear_of_faulty_width, left_padded, padding_columns
 from .lora_input_casts import input_casts
 from .transformers import sampling_params_from_generation_config
@@ -88,16 +91,25 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         micro-batches; None (the default): on where the settings allow it, except in batch-invariant mode (whose
         forwards skip padding themselves) and for models with learned absolute positions (trimmed rows sit at other
         positions, which rotary embeddings ignore up to rounding). Per-micro-batch metrics (entropy, clip ratios) then
-        average over groups of similar lengths."""
+        average over groups of similar lengths.
+    compile_layers: run the training step's forwards and backward through each decoder layer compiled with
+        `torch.compile` (False): fewer, fused kernels where the step is host-bound (small batches), at the cost of
+        compiles in the first steps (one per variety of forward, shared by all layers); values equal to the eager
+        ones up to rounding. Not with batch_invariant=True, whose forwards run their own kernels."""
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool | None = None,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
-                 group_by_length: bool | None = None, **kwargs):
+                 group_by_length: bool | None = None, compile_layers: bool = False, **kwargs):
         if cb_config is not None and not isinstance(cb_config, CBConfig):
             raise ValueError(f"cb_config must be a CBConfig, got {type(cb_config).__name__}")
         for name, value in (("release_after_rollout", release_after_rollout), ("group_by_length", group_by_length)):
             if value not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {value!r}")
+        if compile_layers not in (True, False):
+            raise ValueError(f"compile_layers must be True or False, got {compile_layers!r}")
+        if compile_layers and cb_config is not None and cb_config.batch_invariant:
+            raise ValueError("compile_layers=True cannot run with CBConfig(batch_invariant=True): its forwards run "
+                             "their own kernels, which compiling would change")
         grpo_args = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments.get("args")
         if grpo_args is not None and (grpo_args.use_vllm or grpo_args.use_transformers_continuous_batching):
             raise ValueError("CBSyncGRPOTrainer generates with cb_sync: set use_vllm=False and "
@@ -109,6 +121,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.log_logprob_diff = log_logprob_diff
         self.group_by_length = _length_groups_wanted(self, group_by_length)
         self._attention_warmup = AttentionWarmup(self._tokenizer.pad_token_id)
+        self._compiled_layers = CompiledLayers() if compile_layers else None
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
         self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
@@ -150,7 +163,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         driver = self.cb_driver
         # batch-invariant: the rollout runs under the autocast state of the trainer's forward, as its logprobs must
         autocast = self.accelerator.autocast() if self.cb_config.batch_invariant else contextlib.nullcontext()
-        with profiling_context(self, "cb_sync.generate"), autocast, self._lora_input_casts(driver.model, True):
+        with (profiling_context(self, "cb_sync.generate"), autocast, self._lora_input_casts(driver.model, True),
+              self._layers_compiled(driver.model, False)):
             results = driver.generate(prompt_ids, self._cb_params, progress_bar=bool(self.cb_config.progress_bar))
         return [r.token_ids for r in results], [r.logprobs for r in results]
 
@@ -172,7 +186,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
 
     def training_step(self, *args, **kwargs):
         if not self.cb_config.batch_invariant:
-            with self._lora_input_casts(self.accelerator.unwrap_model(self.model), False):
+            model = self.accelerator.unwrap_model(self.model)
+            with self._lora_input_casts(model, False), self._layers_compiled(model, True):
                 return super().training_step(*args, **kwargs)
         # gradient checkpointing recomputes the forward during backward: there too through the invariant path
         cfg = self.cb_config
@@ -186,6 +201,12 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if self.cb_config.batch_invariant or self.accelerator.mixed_precision not in ("bf16", "fp16"):
             return contextlib.nullcontext()
         return input_casts(model, enabled)
+
+    def _layers_compiled(self, model, on: bool):
+        """With compile_layers=True, the model's decoder layers compiled (a training step) or eager (its rollout)."""
+        if self._compiled_layers is None:
+            return contextlib.nullcontext()
+        return self._compiled_layers.switched(model, on)
 
     @contextmanager
     def _importance_sampling_flags(self):
