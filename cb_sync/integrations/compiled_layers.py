@@ -5,8 +5,8 @@ most of them elementwise (RMSNorm in fp32, rotary, residual adds, SiLU, LoRA's s
 each decoder layer's call fuses them. The layers of one class share one code object, so they share its compiled
 graphs: one compile per variety of call (gradients or none, padding or none, adapter on or off), reused by every
 layer, instead of the whole model's compile, which at 4B takes minutes per variety. Shapes are dynamic from the
-first call, so new widths do not recompile. The values are those of the fused kernels: equal to eager ones up to
-rounding, not bit for bit.
+first call, so new widths do not recompile. Without dropout the values are those of the fused kernels: equal to eager
+ones up to rounding, not bit for bit (with dropout, other random draws).
 
 `CompiledLayers.switched(model, on)` sets each layer's compiled call (on) or none (off) for a block and restores what
 was there after, so blocks nest: the trainer switches the layers on for a training step and off again for its
@@ -14,6 +14,7 @@ rollout, whose own compiled decode step traces the layers as they were when it w
 
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 
@@ -23,33 +24,32 @@ import torch
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers: transformers' gradient-checkpointing layers, outermost ones only."""
     from transformers.modeling_layers import GradientCheckpointingLayer
-    layers, inside = [], set()
-    for name, module in model.named_modules():
-        if isinstance(module, GradientCheckpointingLayer) and not any(name.startswith(p + ".") for p in inside):
-            layers.append(module)
-            inside.add(name)
-    return layers
+    if isinstance(model, GradientCheckpointingLayer):
+        return [model]
+    return [layer for child in model.children() for layer in decoder_layers(child)]
 
 
 class CompiledLayers:
-    """One `torch.compile` (dynamic shapes) of each decoder layer's call, made at first use and kept."""
+    """One `torch.compile` (dynamic shapes) of a module's call, given each decoder layer as its module."""
 
     def __init__(self):
-        self._calls: weakref.WeakKeyDictionary[torch.nn.Module, object] = weakref.WeakKeyDictionary()
+        self._compiled_call = torch.compile(torch.nn.Module._call_impl, dynamic=True)
+        self._layers: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
 
-    def _call(self, layer: torch.nn.Module):
-        if layer not in self._calls:
-            self._calls[layer] = torch.compile(layer._call_impl, dynamic=True)
-        return self._calls[layer]
+    def layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """`decoder_layers(model)`, found once per model."""
+        if model not in self._layers:
+            self._layers[model] = decoder_layers(model)
+        return self._layers[model]
 
     @contextmanager
     def switched(self, model: torch.nn.Module, on: bool):
         """Within the block, the model's decoder layers run compiled (on) or eager (off); restored after."""
-        layers = decoder_layers(model)
+        layers = self.layers(model)
         saved = [layer._compiled_call_impl for layer in layers]
-        for layer in layers:
-            layer._compiled_call_impl = self._call(layer) if on else None
         try:
+            for layer in layers:
+                layer._compiled_call_impl = functools.partial(self._compiled_call, layer) if on else None
             yield
         finally:
             for layer, call in zip(layers, saved):
