@@ -308,7 +308,8 @@ def parse_args(argv=None):
     parser.add_argument("--kl-rtol", type=float, default=1.0, help="gate: KL tolerance relative to the reference")
     parser.add_argument("--cb-compile", action="store_true", help="torch.compile cb_sync's decode step")
     parser.add_argument("--cb-compile-layers", action="store_true",
-                        help="CBSyncGRPOTrainer(compile_layers=True): the training step through compiled decoder layers")
+                        help="CBSyncGRPOTrainer(compile_layers=True): the training step through compiled decoder "
+                             "layers")
     parser.add_argument("--sdpa-cudnn", default="on", choices=["on", "off"],
                         help="cuDNN attention in the trainers' SDPA forward and backward (PyTorch's choice on Hopper; "
                              "off: flash), for every backend: cuDNN builds kernels for each new sequence length")

@@ -46,10 +46,11 @@ site_vllm() {  # /tmp/vsite: vLLM + its packages + TRL 1.16 and datasets; withou
     say "/tmp/vsite holds vLLM and TRL"
   else
     local parts; parts=$(ls /tmp/vl/$W.part-a? 2>/dev/null | wc -l)
+    local trl_wheels; trl_wheels=$(ls .whl/*.whl 2>/dev/null | grep -v dill-)   # dill: from one folder only
     if [ "$parts" = 5 ] && [ -d .vllm-wheels/p6 ] && [ -d .whl ]; then
       cat /tmp/vl/$W.part-a? > /tmp/$W
       if echo "$W_SHA256  /tmp/$W" | sha256sum -c --quiet; then
-        pip_target /tmp/vsite /tmp/$W .vllm-wheels/p6/*.whl $(ls .whl/*.whl | grep -v dill-) && say "installed vLLM + TRL into /tmp/vsite"
+        pip_target /tmp/vsite /tmp/$W .vllm-wheels/p6/*.whl $trl_wheels && say "installed vLLM + TRL into /tmp/vsite"
       else
         say "the vLLM wheel put together from /tmp/vl does not match its sha256: vLLM left out"
       fi
@@ -57,7 +58,7 @@ site_vllm() {  # /tmp/vsite: vLLM + its packages + TRL 1.16 and datasets; withou
     fi
     if [ ! -f /tmp/vsite/trl/__init__.py ] && [ -d .whl ]; then
       local dill; dill=$(ls .whl/dill-*.whl .vllm-wheels/p6/dill-*.whl .unsloth-wheels/dill-*.whl 2>/dev/null | head -1)
-      pip_target /tmp/vsite $(ls .whl/*.whl | grep -v dill-) $dill && say "installed TRL + datasets (no vLLM: $parts of 5 parts in /tmp/vl)"
+      pip_target /tmp/vsite $trl_wheels $dill && say "installed TRL + datasets (no vLLM: $parts of 5 parts in /tmp/vl)"
     fi
   fi
   export PYTHONPATH=/tmp/vsite${PYTHONPATH:+:$PYTHONPATH}

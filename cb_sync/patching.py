@@ -1,5 +1,5 @@
-"""Module forwards swapped for the length of a block, and put back also when it raises; a model's modules listed
-in one quick walk; the transformers model under a PEFT wrapper."""
+"""Module forwards and other attributes swapped for the length of a block, and put back also when it raises; a
+model's modules listed in one quick walk; the transformers model under a PEFT wrapper."""
 
 from __future__ import annotations
 
@@ -26,6 +26,21 @@ def forwards_swapped(modules: Iterable[torch.nn.Module], make_forward: Callable[
                 del module.forward
             else:
                 module.forward = previous
+
+
+@contextmanager
+def attribute_set(objects: Iterable, name: str, make_value: Callable[[object], object]):
+    """Within the block each object's attribute `name` is make_value(object); afterwards its value from before, also
+    when the block raises, so blocks nest."""
+    saved = []
+    try:
+        for obj in objects:
+            saved.append((obj, getattr(obj, name)))
+            setattr(obj, name, make_value(obj))
+        yield
+    finally:
+        for obj, value in saved:
+            setattr(obj, name, value)
 
 
 def module_list(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import functools
 import weakref
-from contextlib import contextmanager
 
 import torch
+
+from ..patching import attribute_set
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -42,15 +43,7 @@ class CompiledLayers:
             self._layers[model] = decoder_layers(model)
         return self._layers[model]
 
-    @contextmanager
     def switched(self, model: torch.nn.Module, on: bool):
-        """Within the block, the model's decoder layers run compiled (on) or eager (off); restored after."""
-        layers = self.layers(model)
-        saved = [layer._compiled_call_impl for layer in layers]
-        try:
-            for layer in layers:
-                layer._compiled_call_impl = functools.partial(self._compiled_call, layer) if on else None
-            yield
-        finally:
-            for layer, call in zip(layers, saved):
-                layer._compiled_call_impl = call
+        """A block within which the model's decoder layers run compiled (on) or eager (off); restored after."""
+        return attribute_set(self.layers(model), "_compiled_call_impl",
+                             lambda layer: functools.partial(self._compiled_call, layer) if on else None)

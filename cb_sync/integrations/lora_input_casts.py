@@ -10,30 +10,21 @@ it a bf16 input would meet fp32 weights."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
+
+from ..patching import attribute_set, module_list
 
 
 def round_trip_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's PEFT LoRA Linear layers whose input cast autocast would undo: every adapter plain LoRA, none with
     dropout."""
     from peft.tuners.lora import Linear
-    return [module for module in model.modules()
+    return [module for module in module_list(model)
             if isinstance(module, Linear) and not module.lora_variant
             and all(isinstance(dropout, torch.nn.Identity) for dropout in module.lora_dropout.values())]
 
 
-@contextmanager
 def input_casts(model: torch.nn.Module, enabled: bool):
-    """Within the block, `round_trip_layers(model)` cast their inputs to the adapter dtype (enabled) or not; each
+    """A block within which `round_trip_layers(model)` cast their inputs to the adapter dtype (enabled) or not; each
     layer's setting is restored after, so blocks nest."""
-    layers = round_trip_layers(model)
-    saved = [layer.cast_input_dtype_enabled for layer in layers]
-    for layer in layers:
-        layer.cast_input_dtype_enabled = enabled
-    try:
-        yield
-    finally:
-        for layer, value in zip(layers, saved):
-            layer.cast_input_dtype_enabled = value
+    return attribute_set(round_trip_layers(model), "cast_input_dtype_enabled", lambda layer: enabled)

@@ -93,8 +93,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         positions, which rotary embeddings ignore up to rounding). Per-micro-batch metrics (entropy, clip ratios) then
         average over groups of similar lengths.
     compile_layers: run the training step's forwards and backward through each decoder layer compiled with
-        `torch.compile` (False): fewer, fused kernels, at the cost of compiles in the first steps (one per variety of forward, shared by all layers); without dropout, values equal
-        to the eager ones up to rounding. Not with batch_invariant=True, whose forwards run their own kernels."""
+        `torch.compile` (False): fewer, fused kernels, at the cost of compiles in the first steps (one per variety of
+        forward, shared by all layers); without dropout, values equal to the eager ones up to rounding. Not with
+        batch_invariant=True, whose forwards run their own kernels."""
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool | None = None,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
@@ -121,9 +122,6 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self.group_by_length = _length_groups_wanted(self, group_by_length)
         self._attention_warmup = AttentionWarmup(self._tokenizer.pad_token_id)
         self._compiled_layers = CompiledLayers() if compile_layers else None
-        if compile_layers and not self._compiled_layers.layers(self.accelerator.unwrap_model(self.model)):
-            raise ValueError("compile_layers=True compiles transformers' decoder layers (GradientCheckpointingLayer), "
-                             f"and {type(self.accelerator.unwrap_model(self.model)).__name__} has none")
         self._logprob_gaps = {}         # mode -> trainer - generator logprobs since the last log (every rank's)
         self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
@@ -139,6 +137,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                              f"got {self.vllm_importance_sampling_mode!r}")
         # TRL's GenerationConfig for its transformers path already merges GRPOConfig and generation_kwargs.
         model = self.accelerator.unwrap_model(self.model)
+        if compile_layers and not self._compiled_layers.layers(model):
+            raise ValueError("compile_layers=True compiles transformers' decoder layers (GradientCheckpointingLayer), "
+                             f"and {type(model).__name__} has none")
         if self.cb_config.batch_invariant:
             _check_invariant_training(model)
         overrides = {"eos_token_id": list(self.eos_token_ids)}
