@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import gzip
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from benchmarks import step_timeline
 from benchmarks.common import MODEL_CONFIGS, build_model, gpu_state
 from benchmarks.grpo import build, grpo_config, resolve, stop_ids
 from benchmarks.grpo_workload import AUTO_ON_OFF, REWARDS, WORKLOADS, lora_config, make_dataset, make_tokenizer
@@ -49,10 +52,13 @@ class PathCounter:
 
 
 class StepProfile(TrainerCallback):
-    """torch.profiler over optimizer step `step` (1-based), from its begin to its end; tables into `path`."""
+    """torch.profiler over optimizer step `step` (1-based), from its begin to its end; tables into `path`. With
+    `timeline`, also `step_timeline`'s report of where the GPU sat idle (`<path stem>_timeline.txt`, printed too) and,
+    with `keep_trace`, the chrome trace it read (`<path stem>_trace.json.gz`, a few MB)."""
 
-    def __init__(self, step: int, path: Path, cuda: bool):
+    def __init__(self, step: int, path: Path, cuda: bool, timeline: bool = False, keep_trace: bool = False):
         self.step, self.path, self.cuda, self.prof = step, path, cuda, None
+        self.timeline, self.keep_trace = timeline, keep_trace
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step + 1 == self.step:
@@ -72,6 +78,16 @@ class StepProfile(TrainerCallback):
         self.path.write_text("\n\n".join(f"sorted by {key}\n" + averages.table(sort_by=key, row_limit=60)
                                          for key in (("self_cuda_time_total",) if self.cuda else ())
                                          + ("self_cpu_time_total", "cpu_time_total")))
+        if self.timeline:
+            trace = self.path.with_name(self.path.stem + "_trace.json")
+            self.prof.export_chrome_trace(str(trace))
+            text = step_timeline.report(step_timeline.summarize(step_timeline.load(trace)))
+            if self.keep_trace:
+                with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                    shutil.copyfileobj(raw, packed)
+            trace.unlink()
+            self.path.with_name(self.path.stem + "_timeline.txt").write_text(text)
+            print(text, flush=True)
         self.prof = None
 
 

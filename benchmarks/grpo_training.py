@@ -4,8 +4,8 @@ the trainer's side train on the very same rows and their A/B is not lost in the 
 rollouts (G2 at 4B: training per completion token differed by ~20% between two runs of the same code).
 
     python -m benchmarks.grpo_training [--tiny] [--workload G2] [--model qwen3-4b] [--steps 6] [--warmup 2]
-        [--variants grouped width1 ungrouped no_cudnn no_warmup] [--profile-step K] [--name grpo_training]
-        [--out DIR]
+        [--variants grouped width1 ungrouped no_cudnn no_warmup] [--profile-step K [--keep-trace]]
+        [--name grpo_training] [--out DIR]
 
 Variants (each trains a freshly built model with the same seed, in this process, one after the other):
     grouped    the default trainer: micro-batches grouped by length, each forward trimmed of its shared padding and
@@ -17,6 +17,8 @@ Variants (each trains a freshly built model with the same seed, in this process,
     compiled   grouped, with GRPOConfig(torch_compile=True): the trainer's model wrapped in torch.compile
     input_casts grouped, with PEFT's cast of LoRA inputs to the adapter dtype kept (`lora_input_casts`)
     compiled_layers grouped, with each decoder layer compiled (CBSyncGRPOTrainer(compile_layers=True))
+    batch_invariant the trainer's forwards in batch-invariant mode (CBConfig(batch_invariant=True); TRL's micro-batches)
+    batch_invariant_m64 batch_invariant, the LoRA kernel's fixed tiling in 64 x 64 x 64 tiles (LoraTuning)
 
 A step is timed from TRL's step begin to its end: the reference forward, each micro-batch's loss forward, recompute
 and backward, the optimizer (the synthetic rollout itself takes about a millisecond). G2's completions follow its
@@ -27,7 +29,8 @@ counted) and their widths.
 
 Writes <out>/<name>.json and <name>.md: per variant the median step, ms per 1k completion tokens, forward tokens over
 real tokens, distinct forward widths, peak memory (torch) and the steps whose gradient norm was not finite.
---profile-step K: torch.profiler tables of each variant's step K in <out>/<name>_<variant>_profile.txt."""
+--profile-step K: torch.profiler tables of each variant's step K in <out>/<name>_<variant>_profile.txt and where its
+GPU sat idle (`_timeline.txt`, `benchmarks.step_timeline`); --keep-trace: its chrome trace too (`_trace.json.gz`)."""
 
 from __future__ import annotations
 
@@ -41,11 +44,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import step_timeline
 from benchmarks.common import MODEL_CONFIGS, RESULTS, markdown_table, write_results
 from benchmarks.grpo import build, grpo_config, resolve, stop_ids
 from benchmarks.grpo_hook import StepProfile
 from benchmarks.grpo_stats import GRPOStats
 from benchmarks.grpo_workload import REWARDS, WORKLOADS, lora_config, make_dataset, make_tokenizer, stop_probability
+from cb_sync import CBConfig
+from cb_sync.tuning import KernelTuning, LoraTuning
 
 VARIANTS = {"grouped": dict(group_by_length=True),
             "width1": dict(group_by_length=True, width_multiple=1),
@@ -54,7 +60,10 @@ VARIANTS = {"grouped": dict(group_by_length=True),
             "no_warmup": dict(group_by_length=True, warmup=False),
             "compiled": dict(group_by_length=True, config=dict(torch_compile=True)),
             "input_casts": dict(group_by_length=True, skip_casts=False),
-            "compiled_layers": dict(group_by_length=True, trainer=dict(compile_layers=True))}
+            "compiled_layers": dict(group_by_length=True, trainer=dict(compile_layers=True)),
+            "batch_invariant": dict(group_by_length=None, trainer=dict(cb_config=CBConfig(batch_invariant=True))),
+            "batch_invariant_m64": dict(group_by_length=None, trainer=dict(cb_config=CBConfig(
+                batch_invariant=True, tuning=KernelTuning(lora=LoraTuning(fixed_block_m=64, fixed_block_k=64)))))}
 
 
 class SyntheticRollouts:
@@ -167,7 +176,8 @@ def run_variant(name: str, args, tokenizer, dataset) -> dict:
     stats = StepTokens(rollouts, forwards, backend=name, verbose=not args.tiny, cuda=not args.tiny)
     callbacks = [stats]
     if args.profile_step:
-        callbacks.append(StepProfile(args.profile_step, args.out / f"{args.name}_{name}_profile.txt", not args.tiny))
+        callbacks.append(StepProfile(args.profile_step, args.out / f"{args.name}_{name}_profile.txt", not args.tiny,
+                                     timeline=True, keep_trace=args.keep_trace))
     with tempfile.TemporaryDirectory() as tmp, variant_settings(**settings), forwards.watching():
         trainer = CBSyncGRPOTrainer(model=model, reward_funcs=REWARDS,
                                     args=grpo_config(args, tmp, args.work, **config), train_dataset=dataset,
@@ -175,7 +185,8 @@ def run_variant(name: str, args, tokenizer, dataset) -> dict:
                                     group_by_length=group_by_length, callbacks=callbacks, **trainer_options)
         trainer.remove_callback(PrinterCallback)
         trainer._generate_single_turn = rollouts
-        trainer.train()
+        with step_timeline.marked_phases(trainer) if args.profile_step else contextlib.nullcontext():
+            trainer.train()
     del trainer, model
     return summarize(name, stats.rows, args.warmup)
 
@@ -227,6 +238,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (2; tiny 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-step", type=int, default=0, help="profile this step of each variant (0: none)")
+    parser.add_argument("--keep-trace", action="store_true", help="keep the profiled step's chrome trace (.json.gz)")
     parser.add_argument("--name", default="grpo_training")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

@@ -17,10 +17,14 @@ takes one call per ROWS rows."""
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 from torch.overrides import TorchFunctionMode
 
 ROWS = 64    # rows per call of every invariant op
+_SUSPENDED = threading.local()
 
 _LINEAR = {torch.nn.functional.linear}
 _NORMS = {torch.nn.functional.layer_norm, torch.nn.functional.rms_norm}
@@ -86,6 +90,8 @@ def _over_last_dim(func, x, args, kwargs):
 class _InvariantOps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(_SUSPENDED, "on", False):
+            return func(*args, **kwargs)
         if func in _LINEAR:
             return linear_rows(*args, **kwargs)
         if (func in _NORMS and len(args) > 1 and args[0].ndim >= 2 and isinstance(args[1], (list, tuple))
@@ -102,6 +108,18 @@ class _InvariantOps(TorchFunctionMode):
 def invariant_ops():
     """Within the block, linear layers and last-dimension reductions run batch-invariantly (see the module)."""
     return _InvariantOps()
+
+
+@contextmanager
+def suspended():
+    """Within the block (on this thread), `invariant_ops()` blocks, also those entered before it, leave every op as
+    it is: a forward that need not be batch-invariant, run inside one that is."""
+    previous = getattr(_SUSPENDED, "on", False)
+    _SUSPENDED.on = True
+    try:
+        yield
+    finally:
+        _SUSPENDED.on = previous
 
 
 def check_model(model: torch.nn.Module) -> None:

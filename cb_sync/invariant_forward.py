@@ -12,12 +12,15 @@ from contextlib import contextmanager
 import torch
 
 from .attention.invariant_training import INVARIANT_IMPLEMENTATION, positions_from_mask
-from .batch_invariant import invariant_ops
+from .batch_invariant import invariant_ops, suspended
 from .lora import invariant_tuning
 from .lora import lora_kernels as lora_forwards
 from .patching import base_model, forwards_swapped, module_list
 from .sampling import chosen_logprobs
 from .tuning import LoraTuning
+
+
+_OUTSIDE_ATTENTION: dict[int, str] = {}    # id(config) -> its attention implementation outside `invariant_training`
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,13 +47,34 @@ def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning
     modules = module_list(model)
     device = base_model(model).get_input_embeddings().weight.device
     lora_tuning = invariant_tuning(lora_kernels, tuning, device)
+    outermost = id(config) not in _OUTSIDE_ATTENTION
     try:
+        if outermost:
+            _OUTSIDE_ATTENTION[id(config)] = previous
         config._attn_implementation = INVARIANT_IMPLEMENTATION
         # backward runs outside any torch function mode, so the modules gradient checkpointing recomputes enter it
         # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
         leaves = [m for m in modules if not m._modules]
         with (forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops(),
               lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning)):
+            yield
+    finally:
+        config._attn_implementation = previous
+        if outermost:
+            _OUTSIDE_ATTENTION.pop(id(config), None)
+
+
+@contextmanager
+def default_forward(model: torch.nn.Module):
+    """Within the block, forwards of `model` run as in the default mode also inside an `invariant_training` block:
+    its attention implementation from outside that block, every op as it is (`batch_invariant.suspended`); PEFT
+    layers with an active adapter keep the generator's LoRA kernel. For forwards whose bits need not match the
+    generator's (the trainer's reference policy)."""
+    config = base_model(unwrapped(model)).config
+    previous = config._attn_implementation
+    try:
+        config._attn_implementation = _OUTSIDE_ATTENTION.get(id(config), previous)
+        with suspended():
             yield
     finally:
         config._attn_implementation = previous

@@ -298,6 +298,48 @@ def test_release_after_rollout_none_frees_only_caches_over_the_limit(tmp_path, m
                           train_dataset=dataset(), processing_class=tokenizer(), release_after_rollout="yes")
 
 
+def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monkeypatch):
+    """In batch-invariant mode the reference policy's forward (beta > 0: the PEFT model with its adapters disabled)
+    takes the default path, the policy's forwards the invariant one, and the gap stays exactly 0; `_scores_reference`
+    also knows TRL's ref_model and a "ref" adapter."""
+    from peft import LoraConfig
+
+    from cb_sync.integrations import trl as trl_integration
+    paths = []
+    invariant, default = trl_integration.invariant_logits, CBSyncGRPOTrainer._warmed_logps_and_entropies
+
+    def adapters_on(model):
+        return not any(m.disable_adapters for m in trl_integration._lora_layers(model))
+
+    def recording_invariant(model, *args, **kwargs):
+        paths.append(("invariant", adapters_on(model)))
+        return invariant(model, *args, **kwargs)
+
+    def recording_default(self, model, *args, **kwargs):
+        paths.append(("default", adapters_on(self.accelerator.unwrap_model(model))))
+        return default(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(trl_integration, "invariant_logits", recording_invariant)
+    monkeypatch.setattr(CBSyncGRPOTrainer, "_warmed_logps_and_entropies", recording_default)
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                args=grpo_args(tmp_path, max_steps=1, beta=0.1), train_dataset=dataset(),
+                                processing_class=tokenizer(),
+                                peft_config=LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
+                                cb_config=CBConfig(block_size=4, max_batch_tokens=16, batch_invariant=True))
+    trainer.train()
+    assert ("default", False) in paths and ("invariant", True) in paths
+    assert set(paths) == {("default", False), ("invariant", True)}
+    assert logged(trainer, "sampling/sampling_logp_difference/max") == [0.0]
+    assert logged(trainer, "kl")[0] < 1e-6       # policy and reference are the same weights at step 1
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert not trainer._scores_reference(model)
+    trainer.ref_model = tiny_model()
+    assert trainer._scores_reference(trainer.ref_model) and not trainer._scores_reference(model)
+    model.add_adapter("ref", LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj"]))
+    model.set_adapter("ref")
+    assert trainer._scores_reference(model)
+
+
 def test_batch_invariant_training_refuses_dropout(tmp_path):
     from peft import LoraConfig
 

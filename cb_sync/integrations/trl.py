@@ -32,9 +32,10 @@ these logprobs (configured by GRPOConfig's `vllm_importance_sampling_*` fields),
 flags are set for the duration of `_generate_and_score_completions` and `_compute_loss` only (no vLLM object is made or
 reached, and the weight-sync counter is kept current).
 
-With `cb_config=CBConfig(batch_invariant=True)` the rollouts and the trainer's own forwards (loss, old and reference
+With `cb_config=CBConfig(batch_invariant=True)` the rollouts and the trainer's own forwards of the policy (loss and old
 logps; also a forward recomputed by gradient checkpointing) run batch-invariantly (`invariant_forward`): the
 generator's logprobs equal the trainer's bit for bit, so the gap is exactly 0 and every importance ratio exactly 1.
+The reference policy's forward (KL only) takes the default path.
 The rollout then runs under the trainer's autocast state, and the trained model may hold no dropout (ValueError).
 
 Several processes (accelerate, DDP): every rank keeps its own driver on its own replica and generates its own slice of
@@ -58,7 +59,7 @@ from ..config import CBConfig
 from ..driver import SyncCBDriver
 from ..validation import learned_position_limit
 from ..patching import base_model
-from ..invariant_forward import invariant_logits, invariant_logprobs, invariant_training
+from ..invariant_forward import default_forward, invariant_logits, invariant_logprobs, invariant_training
 from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
 from .compiled_layers import CompiledLayers
 from .length_groups import by_length, clear_of_faulty_width, left_padded, padding_columns
@@ -246,16 +247,31 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         finally:
             self._gap_batch = None
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        if self.cb_config.batch_invariant:
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        mode = contextlib.nullcontext()
+        if self.cb_config.batch_invariant and not self._scores_reference(model):
             compute = self._invariant_logps_and_entropies
         else:
             compute = self._trimmed_logps_and_entropies if self.group_by_length else self._warmed_logps_and_entropies
-        out = compute(*args, **kwargs)
+            if self.cb_config.batch_invariant:      # the training step runs inside invariant_training
+                mode = default_forward(model)
+        with mode:
+            out = compute(model, *args, **kwargs)
         batch, self._gap_batch = self._gap_batch, None
         if batch is not None:
             self._add_logprob_gap(out[0].detach(), batch)
         return out
+
+    def _scores_reference(self, model) -> bool:
+        """Whether a logprob forward scores TRL's reference policy: its ref_model, or the PEFT model with its adapters
+        disabled or its "ref" adapter active. Those logprobs enter the KL term only, never the generator-vs-trainer
+        comparison, so batch-invariant mode leaves them to the default path."""
+        if self.ref_model is not None and model is self.ref_model:
+            return True
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        if getattr(unwrapped, "active_adapter", None) == "ref":
+            return True
+        return any(getattr(module, "disable_adapters", False) for module in _lora_layers(unwrapped))
 
     def _warmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, *args,
                                     **kwargs):
@@ -408,3 +424,12 @@ def _check_invariant_training(model: torch.nn.Module) -> None:
     if dropouts:
         raise ValueError("CBConfig(batch_invariant=True) needs a training forward without dropout (the rollout runs "
                          f"none), got {', '.join(dropouts)}: set lora_dropout=0 (and the model's dropout to 0)")
+
+
+def _lora_layers(model: torch.nn.Module):
+    """PEFT's adapter layers of `model` (none where PEFT is not installed)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return
+    yield from (module for module in model.modules() if isinstance(module, BaseTunerLayer))
