@@ -80,12 +80,14 @@ class StepProfile(TrainerCallback):
                                          + ("self_cpu_time_total", "cpu_time_total")))
         if self.timeline:
             trace = self.path.with_name(self.path.stem + "_trace.json")
-            self.prof.export_chrome_trace(str(trace))
-            text = step_timeline.report(step_timeline.summarize(step_timeline.load(trace)))
-            if self.keep_trace:
-                with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-                    shutil.copyfileobj(raw, packed)
-            trace.unlink()
+            try:
+                self.prof.export_chrome_trace(str(trace))
+                text = step_timeline.report(step_timeline.summarize(step_timeline.load(trace)))
+                if self.keep_trace:
+                    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                        shutil.copyfileobj(raw, packed)
+            finally:
+                trace.unlink(missing_ok=True)
             self.path.with_name(self.path.stem + "_timeline.txt").write_text(text)
             print(text, flush=True)
         self.prof = None

@@ -98,8 +98,9 @@ class SyntheticRollouts:
 
 
 class ForwardTokens:
-    """Within the block, TRL's logprob forward (which every path of CBSyncGRPOTrainer calls per chunk of rows)
-    records the [rows, width] it is given."""
+    """Within the block, TRL's logprob forward (which the default paths of CBSyncGRPOTrainer call per chunk of rows;
+    batch-invariant mode runs its own, so there only the reference forward's is seen) records the [rows, width] it
+    is given."""
 
     def __init__(self):
         self.shapes: list[tuple[int, int]] = []
@@ -187,18 +188,22 @@ def run_variant(name: str, args, tokenizer, dataset) -> dict:
         trainer._generate_single_turn = rollouts
         with step_timeline.marked_phases(trainer) if args.profile_step else contextlib.nullcontext():
             trainer.train()
+    forwards_seen = not trainer.cb_config.batch_invariant
     del trainer, model
-    return summarize(name, stats.rows, args.warmup)
+    return summarize(name, stats.rows, args.warmup, forwards_seen)
 
 
-def summarize(name: str, steps: list[dict], warmup: int) -> dict:
+def summarize(name: str, steps: list[dict], warmup: int, forwards_seen: bool = True) -> dict:
+    """A variant's row; forwards_seen False (batch-invariant mode, whose policy forwards ForwardTokens does not see):
+    no forward tokens or widths."""
     timed = steps[warmup:] or steps
     completion = [sum(s["completion_lens"]) for s in timed]
     seconds = [s["step_s"] for s in timed]
     return {"variant": name, "steps": len(steps), "median_step_s": round(statistics.median(seconds), 3),
             "ms_per_1k_completion_tokens": round(1e6 * sum(seconds) / max(sum(completion), 1), 1),
-            "forward_tokens_per_step": round(statistics.mean(s["forward_tokens"] for s in timed)),
-            "forward_widths": len({w for s in steps for w in s["forward_widths"]}),
+            "forward_tokens_per_step": round(statistics.mean(s["forward_tokens"] for s in timed))
+            if forwards_seen else None,
+            "forward_widths": len({w for s in steps for w in s["forward_widths"]}) if forwards_seen else None,
             "peak_gib": None if steps[0]["peak_gib"] is None else round(max(s["peak_gib"] for s in steps), 2),
             "nonfinite_grad_steps": [s["step"] for s in steps if not math.isfinite(s.get("grad_norm") or 0.0)],
             "per_step": [{k: s.get(k) for k in ("step", "step_s", "main_cpu_s", "grad_norm", "completion_lens",
@@ -209,7 +214,8 @@ def report(args, rows: list[dict]) -> str:
     headers = ["variant", "steps", "median step s", "training ms per 1k completion tokens", "forward tokens a step",
                "distinct forward widths", "peak GiB (torch)", "steps with a non-finite grad norm"]
     table = markdown_table(headers, [[r["variant"], r["steps"], r["median_step_s"], r["ms_per_1k_completion_tokens"],
-                                      f"{r['forward_tokens_per_step']:,}", r["forward_widths"], r["peak_gib"],
+                                      _or_na(r["forward_tokens_per_step"]), _or_na(r["forward_widths"]),
+                                      r["peak_gib"],
                                       ", ".join(map(str, r["nonfinite_grad_steps"])) or "none"]
                                      for r in rows])
     first = rows[0]["per_step"]
@@ -222,9 +228,16 @@ def report(args, rows: list[dict]) -> str:
             f"{table.rstrip()}\n\nSeconds of each step in order (the widths of its logprob forwards):\n\n{per_step}\n")
 
 
+def _or_na(value) -> str:
+    return "n/a" if value is None else f"{value:,}"
+
+
 def _steps_line(row: dict) -> str:
-    """'- variant: 7.78 (704/768), ...': a variant's step seconds in order, each with its forwards' widths."""
-    steps = (f"{s['step_s']:.2f} ({'/'.join(map(str, s['forward_widths']))})" for s in row["per_step"])
+    """'- variant: 7.78 (704/768), ...': a variant's step seconds in order, each with its forwards' widths where
+    they were seen."""
+    seen = row["forward_widths"] is not None
+    steps = (f"{s['step_s']:.2f}" + (f" ({'/'.join(map(str, s['forward_widths']))})" if seen else "")
+             for s in row["per_step"])
     return f"- {row['variant']}: " + ", ".join(steps)
 
 

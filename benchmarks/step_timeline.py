@@ -4,9 +4,10 @@ torch.profiler (`export_chrome_trace`, optionally gzipped), so it runs on a trac
     python -m benchmarks.step_timeline TRACE.json[.gz] [--top 20]
 
 Per phase (the trainer methods `marked_phases` wraps in `record_function("phase:NAME")`, and the optimizer's own
-annotation): calls, wall time, the GPU's busy time inside it and its idle share. Then the GPU's idle gaps summed by
-the host's innermost phase and innermost op at the gap (any thread: the autograd engine runs the backward on its own),
-and the host-device syncs (`cudaStreamSynchronize` and friends) by the outermost op that waited."""
+annotation): calls, wall time, the GPU's busy time inside it and its idle share. Then the GPU's idle gaps of
+MIN_GAP_US or more, each credited whole to the host's innermost phase and innermost op at the gap's midpoint (any
+thread: the autograd engine runs the backward on its own), and the calls that may wait for the device (syncs, and
+copies, which wait when they go to the host) by the outermost op that made them."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ TRAINER_PHASES = ("training_step", "_generate_and_score_completions", "_generate
                   "_get_per_token_logps_and_entropies", "_compute_loss", "log")
 ACCELERATOR_PHASES = ("backward", "clip_grad_norm_", "gather")
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
-SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+# runtime calls that may wait for the device: syncs, and copies (the trace does not say which go to the host)
+WAITING_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                 "cudaMemcpyAsync"}
+MIN_GAP_US = 5.0
+NESTING_SLACK_US = 0.01     # a child op may end this much after its parent in the trace's rounding
 
 
 @contextlib.contextmanager
@@ -40,16 +45,20 @@ def marked_phases(trainer):
         return call
 
     targets = [(trainer, name) for name in TRAINER_PHASES] + [(trainer.accelerator, n) for n in ACCELERATOR_PHASES]
+    missing = object()
     wrapped = []
     try:
         for owner, name in targets:
             if hasattr(owner, name):
+                wrapped.append((owner, name, owner.__dict__.get(name, missing)))
                 setattr(owner, name, marked(name, getattr(owner, name)))
-                wrapped.append((owner, name))
         yield
     finally:
-        for owner, name in wrapped:
-            del owner.__dict__[name]
+        for owner, name, before in wrapped:
+            if before is missing:
+                del owner.__dict__[name]
+            else:
+                setattr(owner, name, before)
 
 
 @dataclass
@@ -65,7 +74,7 @@ class ThreadOps:
         ops, stack = cls(), []
         for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
             start, end = e["ts"], e["ts"] + e["dur"]
-            while stack and ops.ends[stack[-1]] < end:
+            while stack and ops.ends[stack[-1]] < end - NESTING_SLACK_US:
                 stack.pop()
             ops.starts.append(start)
             ops.ends.append(end)
@@ -123,7 +132,7 @@ def phase_name(event: dict) -> str | None:
     return None
 
 
-def summarize(events: list[dict], min_gap_us: float = 5.0) -> dict:
+def summarize(events: list[dict], min_gap_us: float = MIN_GAP_US) -> dict:
     """The timeline's tables (see the module's docstring), in microseconds."""
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
     host_ops = [e for e in events if e.get("cat") == "cpu_op"]
@@ -169,7 +178,7 @@ def summarize(events: list[dict], min_gap_us: float = 5.0) -> dict:
         idle_by_op[innermost_op(middle)] += end - start
     syncs = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
-        if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS | {"cudaMemcpyAsync"}:
+        if e.get("cat") == "cuda_runtime" and e["name"] in WAITING_CALLS:
             thread = ops.get(e["tid"])
             chain = thread.enclosing(e["ts"]) if thread else []
             waited_in = thread.names[chain[-1]] if chain else "(no op)"
@@ -184,15 +193,16 @@ def summarize(events: list[dict], min_gap_us: float = 5.0) -> dict:
 def report(summary: dict, top: int = 20) -> str:
     ms = 1e-3
     lines = [f"step wall {summary['wall_us'] * ms:.1f} ms, GPU busy {summary['gpu_busy_us'] * ms:.1f} ms, idle "
-             f"{summary['idle_us'] * ms:.1f} ms, {summary['kernels']} device events", "",
+             f"{summary['idle_us'] * ms:.1f} ms in gaps of {MIN_GAP_US:g} us or more, {summary['kernels']} device "
+             "events", "",
              "phase | calls | wall ms | GPU busy ms | idle share"]
     for name, (calls, wall, busy) in sorted(summary["phases"].items(), key=lambda kv: -kv[1][1]):
         lines.append(f"{name} | {calls} | {wall * ms:.1f} | {busy * ms:.1f} | {1 - busy / max(wall, 1e-9):.0%}")
-    for title, table in (("GPU idle by the host's innermost phase", summary["idle_by_phase"]),
-                         ("GPU idle by the host's innermost op", summary["idle_by_op"])):
+    for title, table in (("GPU idle by the host's innermost phase at each gap's midpoint", summary["idle_by_phase"]),
+                         ("GPU idle by the host's innermost op at each gap's midpoint", summary["idle_by_op"])):
         lines += ["", f"{title} | ms"]
         lines += [f"{name} | {us * ms:.1f}" for name, us in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
-    lines += ["", "sync call | op that waited | phase | calls | ms"]
+    lines += ["", "sync or copy call | op that made it | phase | calls | ms"]
     for key, (calls, us) in sorted(summary["syncs"].items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"{key} | {calls} | {us * ms:.1f}")
     return "\n".join(lines) + "\n"

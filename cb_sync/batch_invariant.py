@@ -17,8 +17,8 @@ takes one call per ROWS rows."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -106,11 +106,12 @@ class _InvariantOps(TorchFunctionMode):
 
 
 def invariant_ops():
-    """Within the block, linear layers and last-dimension reductions run batch-invariantly (see the module)."""
-    return _InvariantOps()
+    """Within the block, linear layers and last-dimension reductions run batch-invariantly (see the module); inside
+    a `suspended()` block, nothing changes."""
+    return contextlib.nullcontext() if getattr(_SUSPENDED, "on", False) else _InvariantOps()
 
 
-@contextmanager
+@contextlib.contextmanager
 def suspended():
     """Within the block (on this thread), `invariant_ops()` blocks, also those entered before it, leave every op as
     it is: a forward that need not be batch-invariant, run inside one that is."""

@@ -4,6 +4,7 @@ chunked prefill, preemption and graph replay; a trainer's forward gives the gene
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import invariant, sdpa_paged
 from cb_sync.attention.invariant_training import _plain_attention, invariant_attention_forward, positions_from_mask
 from cb_sync.attention.metadata import AttnMetadata
-from cb_sync.batch_invariant import ROWS, invariant_ops
-from cb_sync.invariant_forward import invariant_logits, invariant_logprobs
+from cb_sync import batch_invariant, invariant_forward
+from cb_sync.attention.invariant_training import INVARIANT_IMPLEMENTATION
+from cb_sync.batch_invariant import ROWS, invariant_ops, suspended
+from cb_sync.invariant_forward import default_forward, invariant_logits, invariant_logprobs, invariant_training
 
 from conftest import make_model, random_prompts
 
@@ -35,6 +38,52 @@ def test_invariant_ops_give_a_row_the_same_bits_in_any_batch():
             for start, stop in ((0, 1), (5, 9), (ROWS - 3, ROWS + 40), (17, 3 * ROWS + 9)):
                 assert torch.equal(op(x[start:stop]), full[start:stop]), (name, start, stop)
             assert torch.equal(op(x[:0]), full[:0])
+
+
+def test_suspended_leaves_every_op_as_it_is_on_its_thread_only(monkeypatch):
+    """Inside suspended(), invariant_ops() blocks (entered before or inside it) pass ops through; the flag is this
+    thread's and is restored after, also on error."""
+    calls = []
+    monkeypatch.setattr(batch_invariant, "linear_rows", lambda *args: calls.append(1) or F.linear(*args))
+    rows, weight = torch.randn(3, 8), torch.randn(5, 8)
+    elsewhere = []
+    with invariant_ops():
+        F.linear(rows, weight)
+        with suspended():
+            F.linear(rows, weight)
+            with invariant_ops():
+                F.linear(rows, weight)
+            thread = threading.Thread(target=lambda: elsewhere.append(getattr(batch_invariant._SUSPENDED, "on", False)))
+            thread.start()
+            thread.join()
+        F.linear(rows, weight)
+    assert calls == [1, 1] and elsewhere == [False]
+    with pytest.raises(RuntimeError, match="inside"), suspended():
+        raise RuntimeError("inside")
+    assert not getattr(batch_invariant._SUSPENDED, "on", False)
+
+
+def test_default_forward_restores_the_outside_attention_inside_invariant_training():
+    """default_forward inside (nested) invariant_training blocks: the model's attention implementation from outside
+    them for the block, the invariant one again after (also on error), nothing left behind; outside any block it
+    changes nothing. Its forward equals the model's own."""
+    model = make_model("qwen3").eval()
+    config, outside = model.config, model.config._attn_implementation
+    ids = torch.randint(3, 100, (2, 6))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with invariant_training(model, lora_kernels=False), invariant_training(model, lora_kernels=False):
+            assert config._attn_implementation == INVARIANT_IMPLEMENTATION
+            with default_forward(model):
+                assert config._attn_implementation == outside
+                assert torch.equal(model(input_ids=ids).logits, expected)
+            with pytest.raises(RuntimeError, match="inside"), default_forward(model):
+                raise RuntimeError("inside")
+            assert config._attn_implementation == INVARIANT_IMPLEMENTATION
+        assert config._attn_implementation == outside
+        assert invariant_forward._OUTSIDE_ATTENTION == {}
+        with default_forward(model):
+            assert config._attn_implementation == outside
 
 
 def _mixed_metadata(cache_shape, lengths, q_lens, gen):
@@ -105,7 +154,7 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
 def serve_kernels(monkeypatch, means: bool = True):
     """Both sides through the (interpreted) Triton kernels, as on CUDA: attention, LoRA layers, and means."""
     pytest.importorskip("triton")
-    from cb_sync import batch_invariant
+    from cb_sync import batch_invariant, invariant_forward
     from cb_sync.lora import fast_forward
     monkeypatch.setattr(invariant, "_kernel_serves", lambda query: True)
     monkeypatch.setattr(fast_forward, "_invariant_kernel_serves", lambda device: True)

@@ -309,7 +309,7 @@ def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monk
     invariant, default = trl_integration.invariant_logits, CBSyncGRPOTrainer._warmed_logps_and_entropies
 
     def adapters_on(model):
-        return not any(m.disable_adapters for m in trl_integration._lora_layers(model))
+        return not any(m.disable_adapters for m in trl_integration._adapter_layers(model))
 
     def recording_invariant(model, *args, **kwargs):
         paths.append(("invariant", adapters_on(model)))
@@ -332,12 +332,17 @@ def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monk
     assert logged(trainer, "sampling/sampling_logp_difference/max") == [0.0]
     assert logged(trainer, "kl")[0] < 1e-6       # policy and reference are the same weights at step 1
     model = trainer.accelerator.unwrap_model(trainer.model)
-    assert not trainer._scores_reference(model)
-    trainer.ref_model = tiny_model()
-    assert trainer._scores_reference(trainer.ref_model) and not trainer._scores_reference(model)
-    model.add_adapter("ref", LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj"]))
-    model.set_adapter("ref")
-    assert trainer._scores_reference(model)
+    with torch.no_grad():
+        assert not trainer._scores_reference(model)
+        with model.disable_adapter():
+            assert trainer._scores_reference(model)
+        trainer.ref_model = tiny_model()
+        assert trainer._scores_reference(trainer.ref_model) and not trainer._scores_reference(model)
+        model.add_adapter("ref", LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj"]))
+        model.set_adapter("ref")
+        assert trainer._scores_reference(model)
+    with model.disable_adapter():           # a forward with gradients is the policy's
+        assert not trainer._scores_reference(model)
 
 
 def test_batch_invariant_training_refuses_dropout(tmp_path):

@@ -30,7 +30,14 @@ def test_idle_gaps_and_syncs_are_attributed(tmp_path):
     assert summary["idle_by_op"] == {"aten::mm": 20, "aten::item": 40, "aten::mul": 50}
     assert summary["idle_by_phase"] == {"_compute_loss": 60, "backward": 50}
     assert summary["syncs"] == {"cudaStreamSynchronize | aten::item | _compute_loss": [1, 30]}
-    assert "backward | 1 | 0.1 | 0.0 | 60%" in step_timeline.report(summary)
+    text = step_timeline.report(summary)
+    assert "backward | 1 | 0.1 | 0.0 | 60%" in text and "cudaStreamSynchronize | aten::item" in text
+
+
+def test_a_child_ending_just_after_its_parent_stays_nested():
+    ops = step_timeline.ThreadOps.of([_x("P", "cpu_op", 0, 100), _x("C", "cpu_op", 10, 90.001),
+                                      _x("D", "cpu_op", 20, 5)])
+    assert ops.parents == [-1, 0, 1]
 
 
 def test_marked_phases_restores_the_trainer():
@@ -45,6 +52,8 @@ def test_marked_phases_restores_the_trainer():
             return self.accelerator.backward(x) + 1
 
     trainer = Trainer()
+    own_log = trainer.log = lambda *args: None       # an attribute set on the instance before the block
     with step_timeline.marked_phases(trainer):
-        assert "training_step" in vars(trainer) and trainer.training_step(1) == 3
+        assert "training_step" in vars(trainer) and trainer.training_step(1) == 3 and trainer.log is not own_log
     assert "training_step" not in vars(trainer) and "backward" not in vars(trainer.accelerator)
+    assert trainer.log is own_log

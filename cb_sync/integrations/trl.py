@@ -254,7 +254,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         else:
             compute = self._trimmed_logps_and_entropies if self.group_by_length else self._warmed_logps_and_entropies
             if self.cb_config.batch_invariant:      # the training step runs inside invariant_training
-                mode = default_forward(model)
+                mode = default_forward(self.accelerator.unwrap_model(model, keep_torch_compile=False))
         with mode:
             out = compute(model, *args, **kwargs)
         batch, self._gap_batch = self._gap_batch, None
@@ -263,15 +263,19 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         return out
 
     def _scores_reference(self, model) -> bool:
-        """Whether a logprob forward scores TRL's reference policy: its ref_model, or the PEFT model with its adapters
-        disabled or its "ref" adapter active. Those logprobs enter the KL term only, never the generator-vs-trainer
-        comparison, so batch-invariant mode leaves them to the default path."""
+        """Whether a logprob forward scores TRL's reference policy: without gradients (as TRL always scores it), its
+        ref_model, or the PEFT model with its adapters disabled or its "ref" adapter active. Those logprobs enter the
+        KL term only, never the generator-vs-trainer comparison, so batch-invariant mode leaves them to the default
+        path. A forward with gradients is the policy's, whatever the adapters' state."""
+        if torch.is_grad_enabled():
+            return False
         if self.ref_model is not None and model is self.ref_model:
             return True
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        if getattr(unwrapped, "active_adapter", None) == "ref":
+        active = getattr(unwrapped, "active_adapter", None)
+        if active == "ref" or (isinstance(active, (list, tuple)) and "ref" in active):
             return True
-        return any(getattr(module, "disable_adapters", False) for module in _lora_layers(unwrapped))
+        return any(getattr(module, "disable_adapters", False) for module in _adapter_layers(unwrapped))
 
     def _warmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, *args,
                                     **kwargs):
@@ -426,8 +430,8 @@ def _check_invariant_training(model: torch.nn.Module) -> None:
                          f"none), got {', '.join(dropouts)}: set lora_dropout=0 (and the model's dropout to 0)")
 
 
-def _lora_layers(model: torch.nn.Module):
-    """PEFT's adapter layers of `model` (none where PEFT is not installed)."""
+def _adapter_layers(model: torch.nn.Module):
+    """PEFT's tuner layers of `model` (LoRA's and other adapters'; none where PEFT is not installed)."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
