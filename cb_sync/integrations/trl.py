@@ -58,7 +58,7 @@ from ..batch_invariant import check_model
 from ..config import CBConfig
 from ..driver import SyncCBDriver
 from ..validation import learned_position_limit
-from ..patching import base_model
+from ..patching import base_model, module_list
 from ..invariant_forward import default_forward, invariant_logits, invariant_logprobs, invariant_training
 from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
 from .compiled_layers import CompiledLayers
@@ -436,4 +436,4 @@ def _adapter_layers(model: torch.nn.Module):
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
         return
-    yield from (module for module in model.modules() if isinstance(module, BaseTunerLayer))
+    yield from (module for module in module_list(model) if isinstance(module, BaseTunerLayer))
