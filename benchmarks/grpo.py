@@ -46,9 +46,11 @@ max_batch_tokens 2048 (--cb-max-batch-tokens).
 
 Both: beta defaults to 0.04 (TRL's default 0 computes and logs no KL; the gate compares KL trajectories). Random
 weights make the format/answer rewards almost always constant; a token-parity reward gives every group some
-variance, so the advantages, the loss and the gradients are not zero. cb_sync, after training: the driver alone on
-the last rollout's requests (its prompt ids and the trainer's sampling parameters, the KV cache released before each
-of 2 timed calls where the trainer releases it after a rollout): `driver_alone_s` (median) and `rollout_vs_driver` (median rollout time of the timed steps over it).
+variance, so the advantages, the loss and the gradients are not zero. cb_sync, after training: the driver alone
+repeats the last rollout exactly (its prompt ids, the trainer's sampling parameters, the trainable weights it decoded
+with, copied to the host between steps, and the RNG state its seeds were drawn from), the KV cache released before
+each of 2 timed calls where the trainer releases it after a rollout: `driver_alone_s` (median), whether both calls
+returned the rollout's tokens (`driver_alone_same_tokens`), and `rollout_vs_driver` (the last rollout's time over it).
 
 Writes <out>/<name>.json (one summary row per backend, per-step rows inside), <name>.md, <name>_<backend>.json
 (per-step stats) and <name>.png (if matplotlib imports). --tiny: CPU, fp32, a 2-layer Qwen3 with a 512-token
@@ -70,6 +72,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from benchmarks import grpo_peers
 from benchmarks.common import MODEL_CONFIGS, RESULTS, build_model, write_results
@@ -132,7 +135,7 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
     rng = torch.get_rng_state()     # the trainer's LoRA init draws from it: equal for every backend
     common = dict(model=model, reward_funcs=REWARDS, train_dataset=dataset, processing_class=tokenizer,
                   callbacks=[stats], peft_config=lora_config())
-    trainer, last, work = None, {}, args.work
+    trainer, last, work = None, None, args.work
     try:
         with tempfile.TemporaryDirectory() as tmp:
             if backend == "cb_sync":
@@ -149,7 +152,9 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                                             compile_layers=args.cb_compile_layers, **common)
                 row["cb_group_by_length"], row["cb_release_cache"] = trainer.group_by_length, args.cb_release_cache
                 row["cb_compile_layers"] = args.cb_compile_layers
-                trainer._generate_single_turn = remembered(trainer._generate_single_turn, last)
+                last = LastRollout()
+                trainer.add_callback(last)
+                trainer._generate_single_turn = last.wrap(trainer._generate_single_turn)
             elif backend == "trl_generate":
                 trainer = GRPOTrainer(args=grpo_config(args, tmp, work), **common)
             elif backend in grpo_peers.OWN_PROCESS:       # from a saved copy, as TRL + vLLM and Unsloth load it
@@ -181,10 +186,12 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
             row["build_s"] = stats.extra["build_s"] = round(time.perf_counter() - start, 2)
             trainer.train()
             replay_facts(trainer, row, stats)      # before the driver-alone calls capture graphs of their own
-            if last:
-                runs = driver_alone(trainer, last["prompt_ids"], cuda=not args.tiny)
+            if last is not None and last.weights is not None:
+                runs, same = driver_alone(trainer, last, cuda=not args.tiny)
                 row["driver_alone_runs_s"] = stats.extra["driver_alone_runs_s"] = runs
                 row["driver_alone_s"] = stats.extra["driver_alone_s"] = round(statistics.median(runs), 3)
+                row["driver_alone_same_tokens"] = stats.extra["driver_alone_same_tokens"] = same
+                row["last_rollout_s"] = stats.extra["last_rollout_s"] = round(stats.rows[-1]["gen_s"], 3)
             if backend in grpo_peers.VLLM_BACKENDS:
                 row["weight_sync"] = stats.extra["weight_sync"] = grpo_peers.weight_sync_check(trainer, common["model"])
     finally:
@@ -205,34 +212,69 @@ def replay_facts(trainer, row: dict, stats: GRPOStats) -> None:
         row["cb_compiled"] = stats.extra["cb_compiled"] = getattr(replay.forward, "active", False)
 
 
-def remembered(generate_single_turn, last: dict):
-    """Wrap the trainer's `_generate_single_turn` so that `last["prompt_ids"]` holds the last rollout's requests."""
+class LastRollout(TrainerCallback):
+    """What repeating a CBSyncGRPOTrainer's last rollout takes: its prompt ids, completions and the RNG state its
+    seeds were drawn from (`wrap` the trainer's `_generate_single_turn`), and the trainable weights the next rollout
+    decodes with, copied to the host at the start of training and after each step (outside the steps' timing)."""
 
-    def wrapper(prompt_ids, *args, **kwargs):
-        last["prompt_ids"] = [list(p) for p in prompt_ids]
-        return generate_single_turn(prompt_ids, *args, **kwargs)
+    def __init__(self):
+        self.prompt_ids = self.completion_ids = self.rng = self.weights = None
 
-    return wrapper
+    def wrap(self, generate_single_turn):
+        def wrapper(prompt_ids, *args, **kwargs):
+            self.prompt_ids, self.rng = [list(p) for p in prompt_ids], torch.get_rng_state()
+            completions, logprobs = generate_single_turn(prompt_ids, *args, **kwargs)
+            self.completion_ids = [list(c) for c in completions]
+            return completions, logprobs
+        return wrapper
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.weights = trainable_weights(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step < state.max_steps and not control.should_training_stop:
+            self.weights = trainable_weights(model)
 
 
-def driver_alone(trainer, prompt_ids: list[list[int]], cuda: bool, calls: int = 2) -> list[float]:
-    """Seconds of each of `calls` calls of the trainer's cb_sync driver alone on `prompt_ids` with the trainer's
-    sampling parameters, the KV cache released before each where the trainer releases it after a rollout (its graphs
-    kept, as the trainer keeps them)."""
+def trainable_weights(model) -> dict[str, torch.Tensor]:
+    """Host copies of the model's trainable parameters."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    """Copy `weights` into the model's parameters in place (captured graphs keep their addresses)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+
+
+def driver_alone(trainer, last: LastRollout, cuda: bool, calls: int = 2) -> tuple[list[float], bool]:
+    """Seconds of each of `calls` calls of the trainer's cb_sync driver alone repeating the last rollout (its
+    requests, weights and seeds), the KV cache released before each where the trainer releases it after a rollout
+    (its graphs kept, as the trainer keeps them), and whether every call returned the rollout's tokens. The
+    trained weights are put back after."""
     from cb_sync.integrations.trl import releases_cache
-    driver, seconds = trainer.cb_driver, []
-    for _ in range(calls):
-        if releases_cache(trainer.release_after_rollout, driver.cache.nbytes):
-            driver.release(keep_graphs=True)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        driver.generate(prompt_ids, trainer._cb_params, progress_bar=False)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds.append(round(time.perf_counter() - start, 3))
-    driver.release()
-    return seconds
+    driver, model, seconds, same = trainer.cb_driver, trainer.model, [], True
+    trained = trainable_weights(model)
+    load_weights(model, last.weights)
+    try:
+        for _ in range(calls):
+            if releases_cache(trainer.release_after_rollout, driver.cache.nbytes):
+                driver.release(keep_graphs=True)
+            torch.set_rng_state(last.rng)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            results = driver.generate(last.prompt_ids, trainer._cb_params, progress_bar=False)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(round(time.perf_counter() - start, 3))
+            same &= [r.token_ids for r in results] == last.completion_ids
+    finally:
+        load_weights(model, trained)
+        driver.release()
+    return seconds, same
 
 
 def finish(row: dict, warmup: int) -> None:
@@ -240,7 +282,7 @@ def finish(row: dict, warmup: int) -> None:
     if row.get("per_step"):
         row.update(summarize(row["per_step"], warmup, row["batch"]))
         if row.get("driver_alone_s"):
-            row["rollout_vs_driver"] = round(row["gen_ms"] / 1000 / row["driver_alone_s"], 3)
+            row["rollout_vs_driver"] = round(row["last_rollout_s"] / row["driver_alone_s"], 3)
 
 
 def completion_tokens(step: dict, rollout: int) -> float | None:

@@ -132,8 +132,9 @@ class SyncCBDriver:
     def release(self, keep_graphs: bool = False) -> None:
         """Free the KV cache for training, and the captured graphs unless keep_graphs; the next generate() allocates
         the cache again. Kept graphs (their memory: one decode step's activations per bucket, in one pool) are
-        replayed again when the cache comes back at the same address, as it tends to at the same size; else they are
-        captured again."""
+        replayed again over the new cache: the Triton backend's decode reaches the pools through a table of where
+        they lie (`PagedKVCache.pool_offsets`), wherever they land; other backends' graphs only where the pools come
+        back at the same addresses, else they are captured again."""
         self.cache.release()
         if self.runner.replay is not None and not keep_graphs:
             self.runner.replay.graphs.release()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+from cb_sync.cache import offsets_to_pools
 from cb_sync.graphs import model_fingerprint
 from cb_sync.patching import module_list
 from cb_sync.runner import compiled
@@ -282,8 +283,9 @@ def test_padded_rows_hold_no_stale_blocks_after_a_smaller_cache():
 
 
 def test_release_keeping_graphs_replays_them_only_over_a_cache_at_the_same_address():
-    """Kept graphs recorded the cache's addresses: a cache that comes back elsewhere gets new graphs, one that comes
-    back where it was replays the kept ones; the tokens are HF's either way."""
+    """A backend that takes the pools as they are (sdpa_paged here; the batch-invariant one too): kept graphs recorded
+    the cache's addresses, so a cache that comes back elsewhere gets new graphs, one that comes back where it was
+    replays the kept ones; the tokens are HF's either way."""
     model = make_model("llama")
     driver = _driver_with_static_path(model)
     cache, graphs = driver.cache, driver.runner.replay.graphs
@@ -304,6 +306,24 @@ def test_release_keeping_graphs_replays_them_only_over_a_cache_at_the_same_addre
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
     driver.release()
     assert not graphs.graphs
+
+
+def test_release_keeping_graphs_follows_moved_pools_on_the_triton_backend():
+    """The Triton backend's decode reads the pools through the cache's address table: kept graphs serve pools that
+    come back elsewhere (the table rewritten), and the tokens are HF's."""
+    pytest.importorskip("triton")
+    model = make_model("llama")
+    driver = _driver_with_static_path(model, attn_backend="triton", block_size=8)
+    cache, graphs = driver.cache, driver.runner.replay.graphs
+    prompts, params = random_prompts([6, 9]), SamplingParams(max_new_tokens=4)
+    driver.generate(prompts, params)
+    captured, pools = dict(graphs.graphs), (cache.k_caches, cache.v_caches)
+    driver.release(keep_graphs=True)
+    results = driver.generate(prompts, params)          # the old pools still held: the new ones lie elsewhere
+    assert cache.k_caches[0].data_ptr() != pools[0][0].data_ptr()
+    assert torch.equal(cache.pool_offsets, offsets_to_pools(cache.pool_offsets, cache.k_caches, cache.v_caches))
+    assert captured and graphs.graphs == captured
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
 
 
 def test_graphs_recaptured_when_the_autocast_state_changes():

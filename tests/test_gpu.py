@@ -139,6 +139,12 @@ def test_release_then_generate_same_tokens():
     assert [t.data_ptr() for t in (*driver.cache.k_caches, *driver.cache.v_caches)] == addresses
     assert driver.runner.replay.graphs.graphs == captured
     assert [r.token_ids for r in third] == [r.token_ids for r in first]
+    held = driver.cache.k_caches, driver.cache.v_caches
+    driver.release(keep_graphs=True)
+    fourth = driver.generate(prompts, params)         # the old pools held: the new ones lie elsewhere, graphs kept
+    assert driver.cache.k_caches[0].data_ptr() != held[0][0].data_ptr()
+    assert driver.runner.replay.graphs.graphs == captured
+    assert [r.token_ids for r in fourth] == [r.token_ids for r in first]
 
 
 @pytest.fixture(scope="module")

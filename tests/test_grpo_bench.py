@@ -61,7 +61,10 @@ def test_tiny_suite_trains_every_backend(tiny_run):
             assert s["reward_std"] > 0 and s["kl"] >= 0
         assert row["step_ms"] > 0 and row["timed_steps"] == 2         # 1 warm-up step left out
         assert row["rollout_tok_s"] > 0 and "completion_lens" not in steps[0]
-    assert rows["cb_sync"]["driver_alone_s"] > 0 and rows["cb_sync"]["rollout_vs_driver"] > 0
+    cb = rows["cb_sync"]
+    assert cb["driver_alone_s"] > 0 and cb["driver_alone_same_tokens"] is True
+    assert cb["rollout_vs_driver"] == round(cb["last_rollout_s"] / cb["driver_alone_s"], 3)
+    assert cb["last_rollout_s"] == round(cb["per_step"][-1]["gen_s"], 3)
 
 
 @pytest.mark.slow
@@ -124,6 +127,7 @@ def test_tiny_g2_eos_live(tmp_path):
     cb = rows["cb_sync"]
     assert cb["gate"]["pass"] is True, cb["gate"]
     assert cb["driver_alone_s"] > 0 and len(cb["driver_alone_runs_s"]) == 2 and cb["rollout_vs_driver"] > 0
+    assert cb["driver_alone_same_tokens"] is True      # sampled, EOS live: the repeat drew what the rollout drew
     assert "driver_alone_s" not in rows["trl_generate"]
     table = (tmp_path / "grpo.md").read_text()
     for text in ("# Workload G2", "2 prompts x 4 generations", "2 micro-batches of 4", "53 stop tokens",

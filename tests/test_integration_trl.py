@@ -11,6 +11,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from cb_sync import CBConfig, SyncCBDriver
 from cb_sync.integrations.transformers import disable, enable
+from cb_sync.integrations import trl as trl_integration
 from cb_sync.integrations.trl import CBSyncGRPOTrainer
 
 VOCAB = 128
@@ -117,6 +118,9 @@ def snapshot(model) -> dict:
 
 def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
+    returned = []       # cached blocks given back before each rollout, while its KV pools are not allocated yet
+    monkeypatch.setattr(trl_integration, "return_cached_blocks",
+                        lambda device: returned.append(spy.calls[-1]["driver"].cache.num_blocks if spy.calls else 0))
     model = tiny_model()
     forbid_hf_generate(monkeypatch, model)
     trainer = CBSyncGRPOTrainer(model=model, reward_funcs=even_fraction, args=grpo_args(tmp_path, top_k=20,
@@ -131,6 +135,7 @@ def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
 
     assert len(spy.calls) == STEPS and spy.releases == STEPS  # one rollout per step, KV freed after each
     assert spy.release_kwargs == [{"keep_graphs": True}] * STEPS
+    assert returned == [0] * STEPS
     assert len({id(c["driver"]) for c in spy.calls}) == 1  # one persistent driver
     assert spy.calls[0]["driver"].model is model
     assert all(c["before"] and c["after"] for c in spy.calls)  # train mode before and after every rollout

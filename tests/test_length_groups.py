@@ -9,7 +9,7 @@ from trl import GRPOTrainer
 
 from cb_sync import CBConfig
 from cb_sync.integrations import length_groups
-from cb_sync.integrations.length_groups import by_length, left_padded, padding_columns
+from cb_sync.integrations.length_groups import by_length, left_padded, padding_columns, right_extended
 from cb_sync.integrations.trl import CBSyncGRPOTrainer
 
 from test_integration_trl import dataset, even_fraction, grpo_args, logged, tiny_model, tokenizer
@@ -70,6 +70,15 @@ def test_left_padded_widens_to_the_multiple_with_masked_pad_columns():
     assert (wide_ids[:, :3] == 7).all() and (wide_mask[:, :3] == 0).all()
     assert left_padded(ids, mask, 7, multiple=5)[0] is ids           # already a multiple: unchanged
     assert left_padded(ids, mask, 7)[0].shape[1] == length_groups.WIDTH_MULTIPLE == 128
+
+
+def test_right_extended_appends_attended_pad_columns_up_to_the_multiple():
+    ids, mask = torch.arange(1, 11).view(2, 5), torch.ones(2, 5, dtype=torch.long)
+    wide_ids, wide_mask, extra = right_extended(ids, mask, pad_token_id=7, multiple=8)
+    assert extra == 3 and wide_ids.shape == wide_mask.shape == (2, 8)
+    assert torch.equal(wide_ids[:, :5], ids) and (wide_ids[:, 5:] == 7).all() and bool(wide_mask.all())
+    assert right_extended(ids, mask, 7, multiple=5) == (ids, mask, 0)               # already a multiple
+    assert right_extended(ids, mask, 7)[0].shape[1] == length_groups.UNMASKED_WIDTH_MULTIPLE == 32
 
 
 def test_widths_with_padding_are_kept_off_the_faulty_remainder():
@@ -151,6 +160,35 @@ def test_only_forwards_that_keep_padding_are_widened(trainer, monkeypatch):
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
             trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 6)
     assert widths == [(11, True), (length_groups.WIDTH_MULTIPLE, False)]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_unmasked_forwards_on_cudnn_attention_widen_on_the_right(trainer, monkeypatch, grad):
+    """Where SDPA takes cuDNN attention, a chunk without padding reaches TRL widened to a multiple of
+    UNMASKED_WIDTH_MULTIPLE, still unmasked, and its logprobs and entropies are TRL's at the chunk's own width (fp32;
+    the wider products round differently)."""
+    from cb_sync.integrations import trl as cb_trl
+    widths, trl_forward = [], GRPOTrainer._get_per_token_logps_and_entropies
+
+    def recording(self, model, input_ids, attention_mask, *args, **kwargs):
+        widths.append((input_ids.shape[1], bool(attention_mask.all())))
+        return trl_forward(self, model, input_ids, attention_mask, *args, **kwargs)
+
+    batch = _padded_rows([5, 5, 5], [6, 6, 6], 5, 6, torch.Generator().manual_seed(1))
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.set_grad_enabled(grad):
+        expected = trl_forward(trainer, trainer.model, ids, mask, 6, compute_entropy=True)
+        monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
+        monkeypatch.setattr(cb_trl, "prefers_cudnn_attention", lambda model: True)
+        got = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 6, compute_entropy=True)
+    assert widths == [(length_groups.UNMASKED_WIDTH_MULTIPLE, True)]
+    for want, have in zip(expected[:2], got[:2]):
+        assert have.shape == want.shape == (3, 6)
+        torch.testing.assert_close(have, want, atol=2e-5, rtol=1e-5)
+    if grad:
+        got[0].sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.parameters())
 
 
 @pytest.mark.parametrize("group_by_length", [True, False])

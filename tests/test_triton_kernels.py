@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("triton")
 
 from cb_sync.attention import sdpa_paged, triton_kernels, triton_ops  # noqa: E402
+from cb_sync.cache import offsets_to_pools  # noqa: E402
 from cb_sync.tuning import AttentionTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -194,6 +195,30 @@ def test_decode_stores_each_request_kv_then_attends(heads, small_partitions):
     assert (out[2] == 0).all()
 
 
+def test_decode_reads_and_stores_through_the_pool_offsets(small_partitions):
+    """Given pool_offsets, the decode kernel stores into and attends over the pools they point at, not the k_cache /
+    v_cache arguments (which only give the type): a captured step follows pools allocated elsewhere."""
+    torch.manual_seed(14)
+    seq_lens = [70, 1, 0, 33]
+    batch = make_batch([1] * len(seq_lens), seq_lens, 8, 2, 64)
+    tables, block_size = batch["block_tables"].long(), batch["k_cache"].shape[1]
+    positions = (torch.tensor(seq_lens, device=DEVICE) - 1).clamp(min=0)
+    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    slots[2] = -1
+    key, value = (torch.randn(len(seq_lens), 2, 64, device=DEVICE) for _ in range(2))
+    pools = batch["k_cache"].clone(), batch["v_cache"].clone()
+    offsets = torch.zeros(1, 2, dtype=torch.int64, device=DEVICE)
+    offsets.copy_(offsets_to_pools(offsets, [pools[0]], [pools[1]]))
+    stale = [torch.zeros_like(pools[0]), torch.zeros_like(pools[1])]
+    sdpa_paged.store_kv(key, value, batch["k_cache"], batch["v_cache"], slots)
+    ref = reference(batch)
+    out = triton_kernels.paged_attention(**{**batch, "k_cache": stale[0], "v_cache": stale[1]},
+                                         new_kv=(key, value, slots), tuning=small_partitions, pool_offsets=offsets[0])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(pools[0], batch["k_cache"]) and torch.equal(pools[1], batch["v_cache"])
+    assert not stale[0].any() and not stale[1].any()
+
+
 def test_arrival_counters_are_not_allocated_during_graph_capture(monkeypatch):
     """A capture would record the counters' zeroing instead of running it: a clear error instead."""
     monkeypatch.setattr(triton_kernels, "_ARRIVALS", {})
@@ -319,3 +344,41 @@ def test_gpu_decode_cuda_graph_replay():
         for a, b in zip(graphed, direct):
             assert torch.equal(a, b)
         assert (graphed[0][trial] == 0).all()
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_decode_graph_follows_pools_to_new_addresses():
+    """A decode step captured over pools reached through their offset table, replayed after the pools were copied to
+    new allocations and the table rewritten: it stores into and reads the new pools, bit for bit as a direct call on
+    them, and leaves the old ones as they were."""
+    torch.manual_seed(15)
+    num_reqs = 8
+    batch = make_batch([1] * num_reqs, torch.randint(2, 600, (num_reqs,)).tolist(), 32, 8, 128, dtype=torch.bfloat16)
+    tables, block_size = batch["block_tables"].long(), batch["k_cache"].shape[1]
+    positions = batch["seq_lens"].long() - 1
+    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    key, value = (torch.randn(num_reqs, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    pools = [batch["k_cache"], batch["v_cache"]]
+    table = torch.zeros(1, 2, dtype=torch.int64, device="cuda")
+    table.copy_(offsets_to_pools(table, *([p] for p in pools)))
+
+    def step(k_cache, v_cache, offsets):
+        return triton_ops.store_and_attend_op(batch["query"], key, value, k_cache, v_cache, slots,
+                                              batch["block_tables"], batch["seq_lens"], batch["query_start_loc"],
+                                              batch["scale"], pool_offsets=offsets)
+
+    step(*pools, table[0])                                  # compiles the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(*pools, table[0])
+    moved = [p.clone() + 1 for p in pools]                  # new contents at new addresses
+    before_old = [p.clone() for p in pools]
+    direct_pools = [p.clone() for p in moved]
+    table.copy_(offsets_to_pools(table, *([p] for p in moved)))
+    graph.replay()
+    direct = step(*direct_pools, None)
+    assert torch.equal(static_out, direct)
+    assert torch.equal(moved[0], direct_pools[0]) and torch.equal(moved[1], direct_pools[1])
+    assert torch.equal(pools[0], before_old[0]) and torch.equal(pools[1], before_old[1])

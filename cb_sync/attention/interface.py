@@ -26,10 +26,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{type(module).__name__} uses attention sinks (s_aux), which cb_sync's paged "
                                   "attention does not implement")
-    k_cache, v_cache = cb_meta.k_caches[module.layer_idx], cb_meta.v_caches[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = cb_meta.backend.store_and_attend(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                           k_cache, v_cache, cb_meta, scale, sliding_window, softcap)
+                                           cb_meta, module.layer_idx, scale, sliding_window, softcap)
     return out.unsqueeze(0), None
 
 

@@ -103,10 +103,11 @@ def _attend_block_fp32(query, k_cache, v_cache, row_blocks, positions, pages, sc
     return out.masked_fill((positions < 0)[:, None, None], 0.0).to(query.dtype)
 
 
-def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttnMetadata, scale: float, sliding_window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """The backend entry point: store the step's K/V at meta's slots, then each row over its request's context."""
+def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttnMetadata, layer: int,
+                     scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The backend entry point: store the step's K/V in layer's pools at meta's slots, then each row over its
+    request's context."""
+    k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
     if k_cache.is_cuda:                 # a kernel with no host synchronisation: decode steps are captured
         from .triton_kernels import store_kv as store_kv_on_device
         store_kv_on_device(key, value, k_cache, v_cache, meta.slot_mapping)

@@ -24,6 +24,9 @@ class AttnMetadata:
     k_caches, v_caches: per layer, [num_blocks, block_size, num_kv_heads, head_dim].
     backend: module providing store_and_attend() (see attention/sdpa_paged.py).
     tuning: the Triton kernels' tile sizes.
+    pool_offsets: int64 [num_layers, 2] on the device, where each layer's K and V pools lie
+        (`PagedKVCache.pool_offsets`), or None; a backend may reach the pools through it so that a captured step
+        follows them to new addresses.
     derived: what a backend derives from the above, once a step (in the first layer) for every layer."""
 
     slot_mapping: torch.Tensor
@@ -36,4 +39,5 @@ class AttnMetadata:
     v_caches: list[torch.Tensor]
     backend: ModuleType
     tuning: AttentionTuning = AttentionTuning()
+    pool_offsets: torch.Tensor | None = None
     derived: dict = field(default_factory=dict, repr=False)

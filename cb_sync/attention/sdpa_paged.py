@@ -61,10 +61,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.masked_fill((seq_lens[token_req] == 0)[:, None, None], 0.0)
 
 
-def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttnMetadata, scale: float, sliding_window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """The backend entry point: store the step's K/V at meta's slots, then paged attention over meta's batch."""
+def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttnMetadata, layer: int,
+                     scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The backend entry point: store the step's K/V in layer's pools at meta's slots, then paged attention over
+    meta's batch."""
+    k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
     store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     return paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                            meta.max_query_len, meta.max_seq_len, scale, sliding_window, softcap)

@@ -91,20 +91,27 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, lo, hi, kv_en
 
 
 @triton.jit
-def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
-                   query_start_loc_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr,
+def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_ptr, slot_ptr, block_tables_ptr,
+                   seq_lens_ptr, query_start_loc_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                    stride_ot, stride_oh, stride_od, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
                    num_heads, num_kv_heads, num_partitions, scale, softcap, window, group, block_size, head_dim,
                    PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, STORE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, POOLS_BY_OFFSET: tl.constexpr,
+                   POOL_ALIGN: tl.constexpr):
     """Program (partition, request, kv head): attention of the request's one query, all heads of the group, over keys
     [partition * PARTITION, +PARTITION). With STORE, the partition that holds the query's position first writes the
     step's key and value into the cache (slots < 0 are skipped). With one partition the program writes the output; with
     several it writes unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the request's last
     partition to arrive combines them, in partition order, into the output. Partitions at or past seq_len neither store
-    nor arrive (a padded row, seq_len 0, gets zeros from its first partition)."""
+    nor arrive (a padded row, seq_len 0, gets zeros from its first partition). With POOLS_BY_OFFSET the caches lie
+    at the two offsets stored at pools_ptr, read at run time, from pools_ptr itself (k_cache_ptr and v_cache_ptr give
+    only their type); the offsets keep its 16-byte alignment (POOL_ALIGN elements): the tile loads stay vectorised."""
+    if POOLS_BY_OFFSET:
+        anchor = pools_ptr.to(tl.pointer_type(k_cache_ptr.dtype.element_ty), bitcast=True)
+        k_cache_ptr = anchor + tl.multiple_of(tl.load(pools_ptr), POOL_ALIGN)
+        v_cache_ptr = anchor + tl.multiple_of(tl.load(pools_ptr + 1), POOL_ALIGN)
     part, req, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     q_tok = tl.load(query_start_loc_ptr + req)
@@ -244,13 +251,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None,
                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    tuning: AttentionTuning = AttentionTuning()) -> torch.Tensor:
+                    tuning: AttentionTuning = AttentionTuning(),
+                    pool_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each request's cached context; returns [T, Hq, D] (contiguous).
     new_kv: (key, value [T, Hkv, D], slot_mapping [T]) stored into the caches first, as `store_kv` does; when every
     request brings one query (T == R: the split-K decode path, else the varlen prefill path), by the decode kernel
     itself: then each slot must be its request's own position seq_len - 1 (a block no other request of the batch reads),
     and padded rows store nothing. Precondition, not checked (that would synchronise): every request brings at least one
-    query (a padded row: one query, seq_len 0, whose rows come back as zeros)."""
+    query (a padded row: one query, seq_len 0, whose rows come back as zeros). pool_offsets: int64 [2] on the device,
+    where k_cache and v_cache lie (a row of `PagedKVCache.pool_offsets`): the decode path reaches the caches through
+    it at run time, so a captured decode step serves caches allocated again elsewhere (the offsets rewritten, the
+    strides unchanged)."""
     num_tokens, num_heads, head_dim = query.shape
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
@@ -264,7 +275,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                   HAS_WINDOW=bool(sliding_window), PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     args = (query, k_cache, v_cache)
     if num_tokens == num_reqs:
-        _decode(out, *args, block_tables, seq_lens, query_start_loc, new_kv, tuning, common)
+        _decode(out, *args, block_tables, seq_lens, query_start_loc, new_kv, tuning, pool_offsets, common)
         return out
     if new_kv is not None:
         store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2])
@@ -306,7 +317,8 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return buffers[-1]
 
 
-def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, new_kv, tuning, common):
+def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, new_kv, tuning, pool_offsets,
+            common):
     """Launch `_decode_kernel` over (partition, request, kv head), with its partials' buffers and arrival counters."""
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_heads, head_dim = query.shape[1:]
@@ -319,8 +331,10 @@ def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     arrivals = _arrival_counters(query.device, num_reqs * num_kv_heads)
     key, value, slots = new_kv if new_kv is not None else (query, query, seq_lens)   # unread without a store
     _decode_kernel[(num_partitions, num_reqs, num_kv_heads)](
-        query, key, value, k_cache, v_cache, slots, block_tables, seq_lens, query_start_loc, out, m, l, acc, arrivals,
+        query, key, value, k_cache, v_cache, k_cache if pool_offsets is None else pool_offsets, slots, block_tables,
+        seq_lens, query_start_loc, out, m, l, acc, arrivals,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         num_heads, num_kv_heads, num_partitions, PARTITION=partition, BLOCK_M=max(16, common["BLOCK_G"]),
         BLOCK_N=min(tuning.decode_block_n, partition), BLOCK_P=triton.next_power_of_2(num_partitions),
-        STORE=new_kv is not None, num_warps=4, **common)
+        STORE=new_kv is not None, POOLS_BY_OFFSET=pool_offsets is not None, POOL_ALIGN=16 // k_cache.element_size(),
+        num_warps=4, **common)

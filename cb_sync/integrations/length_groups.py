@@ -2,8 +2,9 @@
 then cuts it into micro-batches, so every forward of the loss is as wide as the longest sequence of the rollout (with
 lengths as varied as GRPO's, about twice the real tokens). `by_length` regroups the rows so that each micro-batch holds
 completions of similar lengths; `padding_columns` finds the columns of one forward's rows that are padding in all of
-them, which the forward can then skip; `left_padded` widens what is left to a multiple of WIDTH_MULTIPLE columns;
-`clear_of_faulty_width` widens a forward of TRL's own whose width meets a cuDNN attention fault."""
+them, which the forward can then skip; `left_padded` widens what is left to a multiple of WIDTH_MULTIPLE columns,
+`right_extended` a forward without padding to a multiple of UNMASKED_WIDTH_MULTIPLE; `clear_of_faulty_width` widens a
+forward of TRL's own whose width meets a cuDNN attention fault."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ import torch
 # trimmed to their rows would have a new width almost every time; 128 columns add ~64 padding tokens a row on average.
 # Not 64: see FAULTY_WIDTH.
 WIDTH_MULTIPLE = 128
+
+# Forwards without padding (every row as long) are widened on the right, with columns their causal attention keeps
+# out of the real ones, to a multiple of this many: a run whose rows are all as long (fixed-length completions) meets
+# a new width, and cuDNN attention's plans for it, every few steps otherwise. Unmasked widths have no fault; 32 columns
+# cost ~16 tokens a row on average.
+UNMASKED_WIDTH_MULTIPLE = 32
 
 # With a mask, torch 2.11's cuDNN attention backward returns NaN query gradients at widths of 64 past a multiple of 128
 # for rows whose logsumexp is below ~-88.7, which fully masked (left-padding) rows are (pytorch/pytorch#196678).
@@ -55,6 +62,19 @@ def left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token
         return input_ids, attention_mask
     return (torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id),
             torch.nn.functional.pad(attention_mask, (extra, 0)))
+
+
+def right_extended(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int,
+                   multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """input_ids and attention_mask [B, T] of a forward without padding, with pad tokens added as the last columns, up
+    to a width that is a multiple of `multiple` (UNMASKED_WIDTH_MULTIPLE), and how many. The new columns are attended
+    (mask 1, so the forward stays unmasked): under causal attention no earlier column sees them, so the real columns'
+    outputs are those of the forward without them, up to the rounding of wider matrix products."""
+    extra = -input_ids.shape[1] % (multiple or UNMASKED_WIDTH_MULTIPLE)
+    if not extra:
+        return input_ids, attention_mask, 0
+    return (torch.nn.functional.pad(input_ids, (0, extra), value=pad_token_id),
+            torch.nn.functional.pad(attention_mask, (0, extra), value=1), extra)
 
 
 def clear_of_faulty_width(input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -10,7 +10,8 @@ read from the GenerationConfig TRL builds for its transformers path; options cb_
 repeated `num_generations` times; each copy is a request with its own fresh seed, so a group's members differ, and their
 identical prompts share KV blocks. The driver runs the rollout in eval + inference mode and restores every module's
 training flag; a KV cache larger than `KEPT_CACHE_MAX_BYTES` is released after each rollout (`release_after_rollout`;
-the captured decode graphs are kept, and replayed again where the next rollout's cache lands at the same address).
+the captured decode graphs are kept and replayed over the next rollout's cache wherever it lands, see
+`SyncCBDriver.release`).
 
 Before the first logprob forward of each variety (with or without gradients, with or without padding), the trainer
 runs the model on short rows of that variety at two lengths (`attention_warmup`): cuDNN attention builds kernels at
@@ -62,7 +63,7 @@ from ..patching import base_model, module_list
 from ..invariant_forward import default_forward, invariant_logits, invariant_logprobs, invariant_training
 from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
 from .compiled_layers import CompiledLayers
-from .length_groups import by_length, clear_of_faulty_width, left_padded, padding_columns
+from .length_groups import by_length, clear_of_faulty_width, left_padded, padding_columns, right_extended
 from .lora_input_casts import input_casts
 from .transformers import sampling_params_from_generation_config
 
@@ -165,6 +166,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if images is not None or has_tool_images or any(k.startswith("pixel_values") for k in multimodal_fields):
             raise NotImplementedError("CBSyncGRPOTrainer generates from text prompts only")
         driver = self.cb_driver
+        if driver.cache.num_blocks == 0:
+            return_cached_blocks(driver.device)
         # batch-invariant: the rollout runs under the autocast state of the trainer's forward, as its logprobs must
         autocast = self.accelerator.autocast() if self.cb_config.batch_invariant else contextlib.nullcontext()
         with (profiling_context(self, "cb_sync.generate"), autocast, self._lora_input_casts(driver.model, True),
@@ -304,8 +307,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     def _trimmed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                      compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's `_get_per_token_logps_and_entropies`, each chunk of rows without the columns that are padding in all of
-        them (the outputs zero there) and, where padding is left, left-padded to a width that repeats across steps
-        (`left_padded`); without gradients the chunks take the rows in order of length."""
+        them (the outputs zero there) and widened to a width that repeats across steps: on the left where padding is
+        left (`left_padded`), else, where SDPA takes cuDNN attention, on the right with columns no real one attends to
+        (`right_extended`); without gradients the chunks take the rows in order of length."""
         trl_forward = super()._get_per_token_logps_and_entropies
         if compute_aux_loss or any(value is not None for value in multimodal.values()):
             return trl_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
@@ -323,16 +327,19 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             leading, trailing = padding_columns(mask, logits_to_keep)
             columns = slice(leading, input_ids.size(1) - trailing)
             ids, mask = input_ids[chunk, columns], mask[:, columns]
-            masked = not bool(mask.all())
+            masked, extra = not bool(mask.all()), 0
             if masked:                      # a forward without padding keeps SDPA's unmasked causal path
                 ids, mask = self._clear_of_fault(unwrapped, *left_padded(ids, mask, pad_token_id))
+            elif prefers_cudnn_attention(unwrapped):
+                ids, mask, extra = right_extended(ids, mask, pad_token_id)
             with self.accelerator.autocast():           # as the forward it warms
                 self._attention_warmup.before_forward(unwrapped, masked)
-            chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, logits_to_keep - trailing,
+            kept = logits_to_keep - trailing
+            chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, kept + extra,
                                                           compute_entropy=compute_entropy)
-            logps.append(torch.nn.functional.pad(chunk_logps, (0, trailing)))
+            logps.append(torch.nn.functional.pad(chunk_logps[:, :kept], (0, trailing)))
             if compute_entropy:
-                entropies.append(torch.nn.functional.pad(chunk_entropies, (0, trailing)))
+                entropies.append(torch.nn.functional.pad(chunk_entropies[:, :kept], (0, trailing)))
         logps, entropies = torch.cat(logps), torch.cat(entropies) if compute_entropy else None
         if sort_rows:
             unsorted = torch.argsort(order)
@@ -385,6 +392,13 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
             metrics["sampling/ratio_outside_0.9_1.1"].append(outside.float().mean().item())
         super().log(logs, start_time)
+
+
+def return_cached_blocks(device: torch.device) -> None:
+    """Before a rollout allocates its KV pools again: the training step's cached blocks go back to the device (they
+    are split into sizes the pools cannot use), so the card holds the larger of rollout and training, not both."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def releases_cache(asked: bool | None, cache_bytes: int) -> bool:

@@ -118,7 +118,7 @@ class StepBuffers:
         v = self.views
         meta = AttnMetadata(v["slots"][:tokens], v["tables"][:requests], v["seq_lens"][:requests],
                             v["query_start"][:requests + 1], max_query_len, max_seq_len, cache.k_caches,
-                            cache.v_caches, backend, tuning)
+                            cache.v_caches, backend, tuning, cache.pool_offsets)
         return v["input_ids"][:tokens].unsqueeze(0), v["positions"][:tokens].unsqueeze(0), meta, v["keep"][:kept]
 
     def sampling(self, rows: int, kind: SamplerKind) -> SamplingBatch:

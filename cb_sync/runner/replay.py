@@ -31,15 +31,16 @@ class DecodeReplay:
 
     def begin_call(self, max_blocks_per_request: int, modules: list) -> None:
         """Widen the static buffers where a request needs more blocks; drop the graphs if what they recorded changed
-        (weights, adapters, cache pools, buffers, autocast state, a failed compile)."""
+        (weights, adapters, buffers, autocast state, a failed compile, and the cache pools' addresses unless the
+        backend's decode reads them at run time: then graphs outlive a release and the pools' new addresses)."""
         if max_blocks_per_request > self.width:
             self.width = 1 << (max_blocks_per_request - 1).bit_length()
             self._allocate_buffers()
-        device = self.cache.device.type
-        self.graphs.keep_if((model_fingerprint(modules), self.width,
-                             tuple(t.data_ptr() for t in (*self.cache.k_caches, *self.cache.v_caches)),
-                             torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
-                             getattr(self.forward, "active", None)))
+        device, cache = self.cache.device.type, self.cache
+        pools = ((cache.pool_offsets.data_ptr(),) if getattr(self.backend, "DECODE_FOLLOWS_POOLS", False)
+                 else tuple(t.data_ptr() for t in (*cache.k_caches, *cache.v_caches)))
+        self.graphs.keep_if((model_fingerprint(modules), self.width, pools, torch.is_autocast_enabled(device),
+                             torch.get_autocast_dtype(device), getattr(self.forward, "active", None)))
 
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
