@@ -308,8 +308,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                                      compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's `_get_per_token_logps_and_entropies`, each chunk of rows without the columns that are padding in all of
         them (the outputs zero there) and widened to a width that repeats across steps: on the left where padding is
-        left (`left_padded`), else, where SDPA takes cuDNN attention, on the right with columns no real one attends to
-        (`right_extended`); without gradients the chunks take the rows in order of length."""
+        left (`left_padded`), else, where SDPA takes cuDNN attention and positions are rotary, on the right with
+        columns no real one attends to (`right_extended`); without gradients the chunks take the rows in order of
+        length."""
         trl_forward = super()._get_per_token_logps_and_entropies
         if compute_aux_loss or any(value is not None for value in multimodal.values()):
             return trl_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
@@ -320,6 +321,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if sort_rows
                  else torch.arange(rows, device=input_ids.device))
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        # a model with a table of positions could meet the end of it in the columns added on the right
+        learned_positions = learned_position_limit(unwrapped.config.get_text_config()) is not None
         logps, entropies = [], []
         for start in range(0, rows, batch_size):
             chunk = order[start:start + batch_size]
@@ -330,7 +333,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             masked, extra = not bool(mask.all()), 0
             if masked:                      # a forward without padding keeps SDPA's unmasked causal path
                 ids, mask = self._clear_of_fault(unwrapped, *left_padded(ids, mask, pad_token_id))
-            elif prefers_cudnn_attention(unwrapped):
+            elif prefers_cudnn_attention(unwrapped) and not learned_positions:
                 ids, mask, extra = right_extended(ids, mask, pad_token_id)
             with self.accelerator.autocast():           # as the forward it warms
                 self._attention_warmup.before_forward(unwrapped, masked)
