@@ -321,8 +321,10 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if sort_rows
                  else torch.arange(rows, device=input_ids.device))
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        # a model with a table of positions could meet the end of it in the columns added on the right
-        learned_positions = learned_position_limit(unwrapped.config.get_text_config()) is not None
+        # where cuDNN attention builds a plan per width; a model with a table of positions could meet the end of it
+        # in the columns added on the right
+        widen_unmasked = (prefers_cudnn_attention(unwrapped)
+                          and learned_position_limit(unwrapped.config.get_text_config()) is None)
         logps, entropies = [], []
         for start in range(0, rows, batch_size):
             chunk = order[start:start + batch_size]
@@ -333,7 +335,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             masked, extra = not bool(mask.all()), 0
             if masked:                      # a forward without padding keeps SDPA's unmasked causal path
                 ids, mask = self._clear_of_fault(unwrapped, *left_padded(ids, mask, pad_token_id))
-            elif prefers_cudnn_attention(unwrapped) and not learned_positions:
+            elif widen_unmasked:
                 ids, mask, extra = right_extended(ids, mask, pad_token_id)
             with self.accelerator.autocast():           # as the forward it warms
                 self._attention_warmup.before_forward(unwrapped, masked)
