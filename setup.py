@@ -11,6 +11,7 @@ setup(
     install_requires=["torch>=2.4", "transformers>=5.17,<6", "tqdm"],
     extras_require={
         "gpu": ["triton>=3.3"],
+        "flash": ["flash-attn-4>=4.0.0b36", "nvidia-cutlass-dsl[cu13]>=4.8"],
         "trl": ["trl>=1.16,<1.17", "peft>=0.17", "accelerate"],
         "test": ["pytest", "hypothesis", "peft>=0.17", "triton>=3.3", "trl>=1.16,<1.17", "accelerate", "datasets", "tokenizers"],
     },

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import markdown_table
+from benchmarks.common import graph_us, markdown_table
 from cb_sync.attention import triton_kernels
 from cb_sync.cache import offsets_to_pools
 
@@ -38,21 +38,7 @@ def launch_us(batch: int, context: int, through_table: bool, launches: int) -> f
         triton_kernels.paged_attention(query, k_cache, v_cache, tables, seq_lens, starts, HEAD_DIM ** -0.5,
                                        new_kv=(key, value, slots), pool_offsets=table[0] if through_table else None)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (5 * launches)
+    return graph_us(step, launches, 5)
 
 
 def main(argv=None) -> list[dict]:

@@ -75,6 +75,26 @@ def cuda_seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def graph_us(step, launches: int, replays: int) -> float:
+    """Microseconds per call of step(), run once, then captured `launches` times in one CUDA graph and timed over
+    `replays` replays of it (no host launch cost in the time)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / (replays * launches)
+
+
 def gpu_state() -> dict:
     """The card's temperature (C), SM clock (MHz) and power draw (W) now, from nvidia-smi; {} where it is absent."""
     try:

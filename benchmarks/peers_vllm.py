@@ -32,18 +32,21 @@ GPU_MEMORY_UTILIZATION = 0.8
 MAX_MODEL_LEN = 1024
 
 
-def llm_kwargs(model_dir: str, lora: bool, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> dict:
+def llm_kwargs(model_dir: str, lora: bool, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+               max_model_len: int = MAX_MODEL_LEN) -> dict:
     """vLLM's LLM(...) arguments: random (dummy) weights from the config, token-id prompts, LoRA r32 slots."""
-    kwargs = dict(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+    kwargs = dict(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
                   gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True)
     if lora:
         kwargs.update(enable_lora=True, max_lora_rank=32, max_loras=1)
     return kwargs
 
 
-def sampling_kwargs(new_tokens: int) -> dict:
-    """Greedy, exactly new_tokens tokens (EOS ignored), token ids only."""
-    return dict(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+def sampling_kwargs(new_tokens: int, sampler: str = "greedy") -> dict:
+    """Greedy (or "grpo": TRL's default sampling, temperature 1 without a filter), exactly new_tokens tokens (EOS
+    ignored), token ids only."""
+    return dict(max_tokens=new_tokens, temperature=1.0 if sampler == "grpo" else 0.0, ignore_eos=True,
+                detokenize=False)
 
 
 def write_engine_inputs(root: Path, lora: bool, tiny: bool = False) -> tuple[str, str | None, int]:
@@ -73,10 +76,12 @@ def error_rows(base: dict, batches: list[int], error: str) -> list[dict]:
 
 
 def run(engine: str, batches: list[int], prompt_len: int, new_tokens: int, tiny: bool = False,
-        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, on_row=lambda rows: None) -> list[dict]:
-    """Rows of one vLLM engine at every batch size (each failure a row with its error)."""
+        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, on_row=lambda rows: None, sampler: str = "greedy",
+        repeats: int = REPEATS, warmup_tokens: int | None = None, max_model_len: int = MAX_MODEL_LEN) -> list[dict]:
+    """Rows of one vLLM engine at every batch size (each failure a row with its error): each the median of `repeats`
+    timed calls after a warm-up call of warmup_tokens new tokens (None: as many as the timed calls)."""
     lora = ENGINES[engine]
-    base = {"engine": engine, "model": "qwen3-tiny" if tiny else "qwen3-4b-shape", "lora": lora,
+    base = {"engine": engine, "model": "qwen3-tiny" if tiny else "qwen3-4b-shape", "lora": lora, "sampler": sampler,
             "prompt_len": prompt_len, "new_tokens": new_tokens, "process": "own"}
     try:
         import vllm
@@ -94,18 +99,19 @@ def run(engine: str, batches: list[int], prompt_len: int, new_tokens: int, tiny:
         before = card_memory()
         start = time.perf_counter()
         try:
-            llm = LLM(**llm_kwargs(model_dir, lora, gpu_memory_utilization))
+            llm = LLM(**llm_kwargs(model_dir, lora, gpu_memory_utilization, max_model_len))
         except Exception as error:
             return error_rows(base, batches, f"engine start failed: {error!r}"[:2000])
         base["engine_start_s"] = round(time.perf_counter() - start, 1)
         base.update(card_fields(before, card_memory(), gpu_memory_utilization))
-        params = SamplingParams(**sampling_kwargs(new_tokens))
+        params = SamplingParams(**sampling_kwargs(new_tokens, sampler))
+        warmup = SamplingParams(**sampling_kwargs(warmup_tokens or new_tokens, sampler))
         request = LoRARequest("cb_sync_bench", 1, adapter_dir) if lora else None
         prompts = make_prompts(vocab, batches, prompt_len)
         for batch in batches:
             inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts[batch]]
             try:
-                rows.append({**base, "batch": batch, **_measure(llm, inputs, params, request, new_tokens, tiny),
+                rows.append({**base, "batch": batch, **_measure(llm, inputs, (warmup, params), request, repeats, tiny),
                              **gpu_state()})
             except Exception as error:
                 rows += error_rows(base, [batch], f"generate failed: {error!r}"[:2000])
@@ -126,8 +132,9 @@ def card_fields(before, after, gpu_memory_utilization: float) -> dict:
             "card_reserved_gib": round(gpu_memory_utilization * after[1], 2)}
 
 
-def _measure(llm, inputs, params, request, new_tokens: int, tiny: bool) -> dict:
-    def call():
+def _measure(llm, inputs, params, request, repeats: int, tiny: bool) -> dict:
+    def call(params):
+        new_tokens = params.max_tokens
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=request)
         seconds = time.perf_counter() - start
@@ -136,9 +143,9 @@ def _measure(llm, inputs, params, request, new_tokens: int, tiny: bool) -> dict:
             raise RuntimeError(f"expected {len(inputs)} outputs of {new_tokens} tokens, got {len(outputs)} "
                                f"of lengths {sorted(lengths)}")
         return seconds
-    first = call()
-    calls = [call() for _ in range(REPEATS)]
-    seconds = statistics.median(calls)
+    first = call(params[0])
+    calls = [call(params[1]) for _ in range(repeats)]
+    seconds, new_tokens = statistics.median(calls), params[1].max_tokens
     batch, prompt_len = len(inputs), len(inputs[0]["prompt_token_ids"])
     floor = new_tokens * floor_seconds_per_step(batch, prompt_len + new_tokens // 2, request is not None)
     return {"tok_per_s": round(batch * new_tokens / seconds, 1), "seconds": round(seconds, 2),
@@ -163,6 +170,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument("--sampler", choices=["greedy", "grpo"], default="greedy")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed calls a batch (the median is reported)")
+    parser.add_argument("--warmup-tokens", type=int, default=None,
+                        help="new tokens of the warm-up call (default: as many as the timed calls)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Qwen3 (plumbing only)")
     parser.add_argument("--name", default=None, help="result files <out>/<name>.json|md (default throughput_ENGINE)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -170,7 +182,8 @@ def main(argv=None) -> list[dict]:
     name = args.name or f"throughput_{args.engine}"
     save = lambda rows: write_results(name, rows, _table(rows), args.out)   # noqa: E731
     rows = run(args.engine, args.batches, args.prompt_len, args.new_tokens, args.tiny, args.gpu_memory_utilization,
-               on_row=save)
+               on_row=save, sampler=args.sampler, repeats=args.repeats, warmup_tokens=args.warmup_tokens,
+               max_model_len=max(args.max_model_len, args.prompt_len + args.new_tokens))
     save(rows)
     print(json.dumps(rows, indent=1) if any("error" in r for r in rows) else _table(rows), flush=True)
     return rows

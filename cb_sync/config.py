@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .tuning import KernelTuning
 
-ATTN_BACKENDS = ("auto", "sdpa_paged", "triton")
+ATTN_BACKENDS = ("auto", "sdpa_paged", "triton", "flash")
 
 
 @dataclass
@@ -18,14 +18,17 @@ class CBConfig:
     num_blocks: KV blocks to allocate; None sizes the cache to each call's needs, within max_cache_gib.
     max_batch_tokens: token budget of one step, shared by prefill chunks and decodes.
     max_batch_size: most requests running at once.
-    attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton".
-    cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton backend; the sdpa_paged
+    attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton" | "flash" (flash-attn 4's paged
+        kernels, an optional extra: ValueError naming what is missing where they cannot run).
+    cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton or flash backend; the sdpa_paged
         reference syncs with the host and always runs eagerly).
     compile: torch.compile the decode step before capture (CUDA graphs only; elsewhere ignored with a warning);
         prefill and mixed steps run the same compiled function, uncaptured.
-    lora_kernels: with the Triton backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode steps,
-        compiled steps and long eager prefill steps (same parameters, PEFT's function); False keeps PEFT's own forward.
-    max_cache_gib: cap on KV memory when num_blocks is None.
+    lora_kernels: with the Triton or flash backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode
+        steps, compiled steps and long eager prefill steps (same parameters, PEFT's function); False keeps PEFT's own
+        forward.
+    max_cache_gib: cap on KV memory when num_blocks is None; a call needing more preempts requests (recomputed later
+        from their prompts and the tokens they had sampled) instead of failing.
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
     progress_bar: None = only when stderr is a terminal.
     tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).

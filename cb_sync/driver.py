@@ -49,7 +49,7 @@ class SyncCBDriver:
         if self.config.compile and self.runner.replay is None:
             warnings.warn(f"CBConfig(compile=True) is ignored on {self.device.type} with attn_backend="
                           f"{self.config.attn_backend!r}, cuda_graphs={self.config.cuda_graphs}: only the CUDA-graph "
-                          "decode step (CUDA, triton backend) is compiled", stacklevel=2)
+                          "decode step (CUDA, triton or flash backend) is compiled", stacklevel=2)
 
     def _bind(self) -> None:
         """Size the cache, backend and step executors for the model's current device and dtype."""

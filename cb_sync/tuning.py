@@ -15,7 +15,7 @@ class _Ints:
 @dataclass(frozen=True)
 class AttentionTuning(_Ints):
     partition_size: int = 64          # smallest split-K partition of a decode step (tokens; a decode_block_n multiple)
-    max_partitions: int = 32          # partitions grow so that a context has no more than this many
+    max_partitions: int = 32          # a decode step splits a context into at most this many partitions
     decode_programs_per_sm: int = 4   # split-K aims at this many (partition, request, kv head) programs per SM
     decode_block_n: int = 64          # keys per decode tile
     prefill_block_m: int = 64         # rows (queries x heads in group) per prefill program

@@ -226,10 +226,9 @@ def test_learned_positions_model_matches_hf_and_refuses_too_long_requests():
 
 
 def test_models_without_attention_interface_are_refused():
-    from transformers import AutoModelForCausalLM, FalconConfig
-    model = AutoModelForCausalLM.from_config(FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
-                                                          vocab_size=VOCAB))
-    with pytest.raises(ValueError, match="FalconForCausalLM does not route attention through"):
+    from transformers import AutoModelForCausalLM, XGLMConfig
+    model = AutoModelForCausalLM.from_config(XGLMConfig(num_layers=1, d_model=32, attention_heads=4, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="XGLMForCausalLM does not route attention through"):
         SyncCBDriver(model)
     assert model.config._attn_implementation != "cb_sync_paged"
 

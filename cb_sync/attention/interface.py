@@ -36,9 +36,16 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 def select_backend(name: str, device: torch.device) -> ModuleType:
-    """Resolve "auto" | "sdpa_paged" | "triton" to a backend module: auto is Triton on CUDA, else sdpa_paged."""
+    """Resolve "auto" | "sdpa_paged" | "triton" | "flash" to a backend module: auto is Triton on CUDA, else
+    sdpa_paged. "flash" raises ValueError, naming what is missing, where flash-attn 4 cannot run."""
     if name == "sdpa_paged" or (name == "auto" and device.type != "cuda"):
         return sdpa_paged
+    if name == "flash":
+        from . import flash_ops
+        reason = flash_ops.unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(reason)
+        return flash_ops
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attn_backend='triton' needs a CUDA model (or TRITON_INTERPRET=1 for tests)")
     from . import triton_ops

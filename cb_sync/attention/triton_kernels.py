@@ -95,17 +95,19 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_pt
                    seq_lens_ptr, query_start_loc_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                    stride_ot, stride_oh, stride_od, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
-                   num_heads, num_kv_heads, num_partitions, scale, softcap, window, group, block_size, head_dim,
-                   PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, STORE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, POOLS_BY_OFFSET: tl.constexpr,
-                   POOL_ALIGN: tl.constexpr):
+                   num_heads, num_kv_heads, num_partitions, max_context, scale, softcap, window, group, block_size,
+                   head_dim, MIN_PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, STORE: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                   POOLS_BY_OFFSET: tl.constexpr, POOL_ALIGN: tl.constexpr):
     """Program (partition, request, kv head): attention of the request's one query, all heads of the group, over keys
-    [partition * PARTITION, +PARTITION). With STORE, the partition that holds the query's position first writes the
-    step's key and value into the cache (slots < 0 are skipped). With one partition the program writes the output; with
-    several it writes unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the request's last
-    partition to arrive combines them, in partition order, into the output. Partitions at or past seq_len neither store
-    nor arrive (a padded row, seq_len 0, gets zeros from its first partition). With POOLS_BY_OFFSET the caches lie
+    [partition * span, +span), where span splits the request's own context into num_partitions parts (whole BLOCK_N
+    tiles, at least MIN_PARTITION keys): a long context keeps every program of the grid busy, whatever the block
+    table's width. With STORE, the partition that holds the query's position first writes the step's key and value
+    into the cache (slots < 0 are skipped). With one partition the program writes the output; with several it writes
+    unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the request's last partition to arrive
+    combines them, in partition order, into the output. Partitions at or past seq_len neither store nor arrive (a
+    padded row, seq_len 0, gets zeros from its first partition). With POOLS_BY_OFFSET the caches lie
     at the two offsets stored at pools_ptr, read at run time, from pools_ptr itself (k_cache_ptr and v_cache_ptr give
     only their type); the offsets keep its 16-byte alignment (POOL_ALIGN elements): the tile loads stay vectorised."""
     if POOLS_BY_OFFSET:
@@ -113,9 +115,10 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_pt
         k_cache_ptr = anchor + tl.multiple_of(tl.load(pools_ptr), POOL_ALIGN)
         v_cache_ptr = anchor + tl.multiple_of(tl.load(pools_ptr + 1), POOL_ALIGN)
     part, req, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_context)    # keys past the block table are never read
     q_tok = tl.load(query_start_loc_ptr + req)
-    part_start = part * PARTITION
+    span = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N, MIN_PARTITION)
+    part_start = part * span
     rows = tl.arange(0, BLOCK_M)
     g = rows % BLOCK_G
     row_valid = (rows < BLOCK_G) & (g < group)
@@ -128,7 +131,7 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_pt
             tl.store(out_ptr + out_offs, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=q_mask)
         return
     if STORE:
-        if part == (seq_len - 1) // PARTITION:
+        if part == (seq_len - 1) // span:
             slot = tl.load(slot_ptr + q_tok)
             if slot >= 0:
                 _store_kv_row(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, q_tok, kv_head, slot, d,
@@ -141,7 +144,7 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_pt
     if HAS_WINDOW:
         lo = tl.maximum(lo, (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N)
     acc, m_i, l_i = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head, lo,
-                                  tl.minimum(part_start + PARTITION, seq_len), seq_len, q_pos, row_valid, scale,
+                                  tl.minimum(part_start + span, seq_len), seq_len, q_pos, row_valid, scale,
                                   softcap, window, block_size, head_dim, stride_cb, stride_cs, stride_ch, stride_cd,
                                   BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
     if BLOCK_P == 1:
@@ -154,7 +157,7 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_pt
         tl.store(acc_ptr + part_idx[:, None] * head_dim + d[None, :], acc, mask=q_mask)
         tl.debug_barrier()                                      # every thread's partials before the arrival
         counter = arrivals_ptr + req * num_kv_heads + kv_head
-        used = tl.minimum(tl.cdiv(seq_len, PARTITION), num_partitions)   # the partitions that exist
+        used = tl.cdiv(seq_len, span)                           # the partitions that exist
         if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
             tl.atomic_xchg(counter, 0)                          # zero again for the next launch
             _combine_partitions(out_ptr + out_offs, m_ptr, l_ptr, acc_ptr, (req * num_heads + heads) * num_partitions,
@@ -292,12 +295,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def decode_partition(max_context: int, num_programs: int, device: torch.device, tuning: AttentionTuning) -> int:
-    """Tokens per split-K partition: few requests split their context finely enough to fill the GPU, many
-    requests keep whole contexts (fewer partials to write and reduce). Depends on shapes only."""
-    per_sm = tuning.decode_programs_per_sm
-    wanted = min(tuning.max_partitions, max(1, triton.cdiv(per_sm * _sm_count(device), num_programs)))
-    return max(tuning.partition_size, triton.next_power_of_2(triton.cdiv(max_context, wanted)))
+def decode_partitions(max_context: int, num_programs: int, device: torch.device, tuning: AttentionTuning) -> int:
+    """Split-K partitions of every request's context: few requests split finely enough to fill the GPU, many
+    requests keep whole contexts (fewer partials to write and reduce); never more than partitions of
+    tuning.partition_size keys cover max_context. Depends on shapes only."""
+    wanted = triton.cdiv(tuning.decode_programs_per_sm * _sm_count(device), num_programs)
+    return max(1, min(tuning.max_partitions, wanted, triton.cdiv(max_context, tuning.partition_size)))
 
 
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
@@ -323,8 +326,8 @@ def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_heads, head_dim = query.shape[1:]
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    partition = decode_partition(max_context, num_reqs * num_kv_heads, query.device, tuning)
-    num_partitions = triton.cdiv(max_context, partition)
+    num_partitions = decode_partitions(max_context, num_reqs * num_kv_heads, query.device, tuning)
+    block_n = min(tuning.decode_block_n, tuning.partition_size)
     m = query.new_empty((num_reqs, num_heads, num_partitions), dtype=torch.float32)
     l = torch.empty_like(m)
     acc = query.new_empty((num_reqs, num_heads, num_partitions, head_dim), dtype=torch.float32)
@@ -334,7 +337,8 @@ def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         query, key, value, k_cache, v_cache, k_cache if pool_offsets is None else pool_offsets, slots, block_tables,
         seq_lens, query_start_loc, out, m, l, acc, arrivals,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
-        num_heads, num_kv_heads, num_partitions, PARTITION=partition, BLOCK_M=max(16, common["BLOCK_G"]),
-        BLOCK_N=min(tuning.decode_block_n, partition), BLOCK_P=triton.next_power_of_2(num_partitions),
+        num_heads, num_kv_heads, num_partitions, max_context,
+        MIN_PARTITION=triton.cdiv(tuning.partition_size, block_n) * block_n,
+        BLOCK_M=max(16, common["BLOCK_G"]), BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(num_partitions),
         STORE=new_kv is not None, POOLS_BY_OFFSET=pool_offsets is not None, POOL_ALIGN=16 // k_cache.element_size(),
         num_warps=4, **common)

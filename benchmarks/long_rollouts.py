@@ -1,0 +1,302 @@
+"""Workload L: reasoning-length rollouts. Qwen3-4B shape + LoRA r32, 1,024-token random prompts, 8,192 new tokens
+(EOS silenced), batch 8 / 32 / 64, greedy or GRPO's sampler (TRL's defaults: temperature 1, no filter).
+
+    python -m benchmarks.long_rollouts [--batches 8 32 64] [--engines cb_sync_compiled vllm vllm_nolora hf_generate]
+        [--sampler greedy|grpo] [--max-cache-gib 96] [--name long_rollouts] [--time-limit S]
+    python -m benchmarks.long_rollouts --tiny --out DIR      # CPU plumbing check: tiny Qwen3, fp32, a few tokens
+    python -m benchmarks.long_rollouts --from-json A.json B.json --name NAME   # merge calls' rows of one machine
+
+Each engine runs in a process of its own (benchmarks.isolation), one after the other on the same card. A row is one
+engine at one batch size: one timed call after a warm-up call that builds what the timed call uses (for cb_sync: a
+request as long as the workload's, prompt 16 tokens short of it, so the decode graphs are captured for the cache's
+width; for vLLM: the batch with 16 new tokens). Rows give tok/s of the whole call (prefill included), its seconds,
+the floor (weights + adapter + the batch's KV read once a step, at the card's copy bandwidth), peak memory, and for
+cb_sync the KV cache it allocated, the preemptions it made (`--max-cache-gib` below the batch's need forces them) and
+the median time of a replayed decode step at contexts of 1k / 4k / 8k / 16k tokens (steps within 64 tokens of
+each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves. `hf_generate` and
+`hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled by `generate`,
+its first call timed apart), greedy, one timed call a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (KV_BYTES_PER_TOKEN, LORA_BYTES, RESULTS, WEIGHT_BYTES, COPY_BANDWIDTH, build_model,
+                               gpu_state, markdown_table, write_results)
+from benchmarks import throughput
+from benchmarks.isolation import run_child
+from benchmarks.throughput import make_prompts
+
+CONTEXTS = (1024, 4096, 8192, 16384)     # where a decode step's time is reported
+CONTEXT_WINDOW = 64                      # steps within this many tokens of a context count for it
+WARMUP_TOKENS = 16
+PREFILL_TOKENS = 16384                   # cb_sync's max_batch_tokens: 16 of the 1,024-token prompts a step
+CB_ENGINES = ("cb_sync_compiled", "cb_sync")
+HF_ENGINES = ("hf_generate", "hf_generate_static")    # greedy only; static: the cache compiled by `generate`
+VLLM_ENGINES = ("vllm", "vllm_nolora")
+DEFAULT_ENGINES = ("cb_sync_compiled", "vllm", "vllm_nolora")
+
+
+def step_floor_ms(batch: int, context: int, lora: bool = True) -> float:
+    """Bandwidth floor of one decode step (ms): the weights (+ adapter) and the batch's KV at `context` read once."""
+    return 1e3 * (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + KV_BYTES_PER_TOKEN * batch * context) / COPY_BANDWIDTH
+
+
+def call_floor_s(batch: int, prompt_len: int, new_tokens: int, lora: bool = True) -> float:
+    """The whole call's decode floor: every step's, summed (the KV term grows linearly with the step)."""
+    return new_tokens * step_floor_ms(batch, prompt_len + new_tokens / 2, lora) / 1e3
+
+
+class ContextSteps:
+    """A driver observer: for every step, its path, when it was read and the longest context among its requests;
+    `ms_at(context)`: the median time of replayed steps near that context (each step's read minus the read before),
+    and the requests it saw (for their preemptions)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.steps, self.requests = [], {}
+
+    def __call__(self, output) -> None:
+        for chunk in output.plan:
+            self.requests[id(chunk.request)] = chunk.request
+        self.steps.append((output, max(chunk.start + chunk.length for chunk in output.plan)))
+
+    def ms_at(self, context: int) -> float | None:
+        times = [1e3 * (out.read_at - prev.read_at) for (prev, _), (out, ctx) in zip(self.steps, self.steps[1:])
+                 if out.path == prev.path == "replay" and abs(ctx - context) <= CONTEXT_WINDOW
+                 and out.read_at is not None and prev.read_at is not None]
+        return round(statistics.median(times), 3) if times else None
+
+    def preemptions(self) -> int:
+        return sum(request.num_preemptions for request in self.requests.values())
+
+
+def sampling_params(sampler: str, new_tokens: int):
+    from cb_sync import SamplingParams
+    return SamplingParams(max_new_tokens=new_tokens, do_sample=sampler == "grpo", temperature=1.0, eos_token_id=[])
+
+
+def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
+    """One driver serves every batch (one compile, graphs captured once for the cache's width)."""
+    from cb_sync import CBConfig, SyncCBDriver
+    steps = ContextSteps()
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=max(args.batches), max_batch_tokens=PREFILL_TOKENS,
+                                          compile=engine == "cb_sync_compiled", max_cache_gib=args.max_cache_gib,
+                                          progress_bar=False), observer=steps)
+    length = args.prompt_len + args.new_tokens
+    start = time.perf_counter()
+    driver.generate([prompts[min(prompts)][0][:1] * (length - WARMUP_TOKENS)],
+                    sampling_params(args.sampler, WARMUP_TOKENS), seed=0)
+    warmup_s = time.perf_counter() - start
+    rows = []
+    for batch in args.batches:
+        steps.clear()
+        gc.collect()
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        results = driver.generate(prompts[batch], sampling_params(args.sampler, args.new_tokens), seed=0)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        lengths = {len(r.token_ids) for r in results}
+        if len(results) != batch or lengths != {args.new_tokens}:
+            raise RuntimeError(f"batch {batch}: expected {batch} completions of {args.new_tokens} tokens, got "
+                               f"{len(results)} of lengths {sorted(lengths)}")
+        row = _row(engine, batch, args, seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+        row.update(warmup_s=round(warmup_s, 1), kv_gib=round(driver.cache.nbytes / 2**30, 2),
+                   preemptions=steps.preemptions(), max_cache_gib=args.max_cache_gib,
+                   **{f"ms_step_{c}": steps.ms_at(c) for c in CONTEXTS if c <= length},
+                   **{f"floor_ms_{c}": round(step_floor_ms(batch, c), 3) for c in CONTEXTS if c <= length},
+                   **gpu_state())
+        rows.append(row)
+        print(row, flush=True)
+        on_row(rows)
+    driver.release()
+    return rows
+
+
+def _row(engine: str, batch: int, args, seconds: float, peak_gib: float) -> dict:
+    lora = engine != "vllm_nolora"
+    floor = call_floor_s(batch, args.prompt_len, args.new_tokens, lora)
+    return {"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora, "batch": batch,
+            "sampler": args.sampler, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "tok_per_s": round(batch * args.new_tokens / seconds, 1), "seconds": round(seconds, 2),
+            "peak_gib": round(peak_gib, 2), "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1)}
+
+
+def run_hf_generate(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
+    """HF `generate` with the adapter live, greedy; a batch that fails (out of memory) is a row with its error."""
+    rows = []
+    for batch in args.batches:
+        try:
+            seconds, peak, extra = throughput.run_hf_generate(model, prompts[batch], args.new_tokens,
+                                                              static=engine == "hf_generate_static")
+            rows.append({**_row(engine, batch, args, seconds, peak), **extra, **gpu_state()})
+        except Exception as error:
+            rows.append({"engine": engine, "batch": batch, "lora": True, "sampler": args.sampler,
+                         "error": f"{error!r}"[:500]})
+        print(rows[-1], flush=True)
+        on_row(rows)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _engine_main(args) -> None:
+    """One cb_sync or HF engine in this process: its rows to <out>/<name>.json after each batch."""
+    if args.tiny:
+        model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
+    else:
+        model = build_model(lora=True)
+    prompts = make_prompts(model.config.vocab_size, args.batches, args.prompt_len)
+    save = lambda rows: write_results(args.name, rows, table(rows), args.out)   # noqa: E731
+    engine = args.engines[0]
+    save((run_hf_generate if engine in HF_ENGINES else run_cb_sync)(engine, model, prompts, args, save))
+
+
+def _engine_command(engine: str, args, name: str) -> list[str]:
+    shared = ["--name", name, "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len",
+              str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--sampler", args.sampler,
+              *(["--tiny"] if args.tiny else [])]
+    if engine in VLLM_ENGINES:
+        return [sys.executable, "-m", "benchmarks.peers_vllm", "--engine", engine, *shared, "--repeats", "1",
+                "--warmup-tokens", str(WARMUP_TOKENS), "--max-model-len", str(args.prompt_len + args.new_tokens)]
+    return [sys.executable, "-m", "benchmarks.long_rollouts", "--engines", engine, "--engine-process", *shared,
+            "--max-cache-gib", str(args.max_cache_gib)]
+
+
+def run_all(args) -> list[dict]:
+    """Every engine in a process of its own, cb_sync first; a row an engine did not write carries the reason."""
+    stop = None if args.time_limit is None else time.monotonic() + args.time_limit
+    rows = []
+    for engine in sorted(args.engines, key=lambda e: e in VLLM_ENGINES):
+        name = f"{args.name}_{engine}"
+        left = None if stop is None else stop - time.monotonic()
+        if left is not None and left <= 0:
+            rows += [{"engine": engine, "batch": b, "error": "not run: --time-limit used up"} for b in args.batches]
+            continue
+        outcome = run_child(_engine_command(engine, args, name), timeout=left)
+        path = args.out / f"{name}.json"
+        got = json.loads(path.read_text()) if path.is_file() else []
+        have = {row["batch"] for row in got}
+        rows += got + [{"engine": engine, "batch": b, "lora": engine != "vllm_nolora", "sampler": args.sampler,
+                        "error": outcome.reason(left)} for b in args.batches if b not in have]
+        for suffix in (".json", ".md"):
+            (args.out / f"{name}{suffix}").unlink(missing_ok=True)
+        write_results(args.name, rows, table(rows), args.out)
+    plot([row for row in rows if row.get("tok_per_s")], args.out / f"{args.name}.png")
+    print(table(rows))
+    return rows
+
+
+def merge(paths: list[str], name: str, out: Path) -> list[dict]:
+    rows = [row for path in paths for row in json.loads(Path(path).read_text())]
+    measured = {(r["engine"], r["batch"], r.get("sampler")) for r in rows if r.get("tok_per_s")}
+    rows = [r for r in rows if r.get("tok_per_s") or (r["engine"], r["batch"], r.get("sampler")) not in measured]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{name}.md").write_text(table(rows))
+    plot([row for row in rows if row.get("tok_per_s")], out / f"{name}.png")
+    print(table(rows))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """One line per row, with cb_sync's ratio to every peer row of its batch and sampler among the rows (one machine:
+    one run, or calls merged with --from-json)."""
+    peers = [r for r in rows if r.get("tok_per_s") and r["engine"] in (*VLLM_ENGINES, *HF_ENGINES)]
+    lines = []
+    for row in rows:
+        if not row.get("tok_per_s"):
+            lines.append([row["engine"], row.get("sampler", "-"), row["batch"], *["-"] * 9,
+                          f"could not run: {row.get('error', 'no result')}"])
+            continue
+        ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}" for p in peers
+                  if row["engine"] in CB_ENGINES and p["batch"] == row["batch"]
+                  and p.get("sampler") == row.get("sampler")]
+        steps = " / ".join(str(row.get(f"ms_step_{c}", "-")) for c in CONTEXTS[:3])
+        floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS[:3])
+        memory = row["peak_gib"] if row.get("card_held_gib") is None else (
+            f"{row['card_held_gib']} held / {row['card_reserved_gib']} reserved")
+        lines.append([row["engine"], row.get("sampler", "-"), row["batch"], row["tok_per_s"], row["seconds"],
+                      f"{row['pct_of_floor']}%" if row.get("pct_of_floor") is not None else "-", steps, floors,
+                      memory, row.get("kv_gib", "-"), row.get("preemptions", "-"), row.get("engine_start_s", "-"),
+                      ", ".join(ratios) or "-"])
+    return markdown_table(["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k",
+                           "floor ms at 1k / 4k / 8k", "peak GiB", "KV GiB", "preemptions", "engine start s",
+                           "vs peers (same machine)"], lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Tok/s per engine and batch; skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    batches = sorted({r["batch"] for r in rows})
+    engines = sorted({r["engine"] for r in rows}, key=lambda e: (e in VLLM_ENGINES, e))
+    width = 0.8 / max(len(engines), 1)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, engine in enumerate(engines):
+        values = {r["batch"]: r["tok_per_s"] for r in rows if r["engine"] == engine}
+        xs = [x for x, b in enumerate(batches) if b in values]
+        ax.bar([x + i * width for x in xs], [values[batches[x]] for x in xs], width,
+               label=engine if engine != "vllm_nolora" else "vllm_nolora (merged weights)")
+    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("Workload L (Qwen3-4B shape + LoRA r32, 1,024-token prompts, 8,192 new tokens), one H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES),
+                        choices=[*CB_ENGINES, *HF_ENGINES, *VLLM_ENGINES])
+    parser.add_argument("--sampler", choices=["greedy", "grpo"], default="greedy")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=8192)
+    parser.add_argument("--max-cache-gib", type=float, default=96.0, help="cb_sync's KV cap (CBConfig.max_cache_gib)")
+    parser.add_argument("--name", default="long_rollouts")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds for all engines together")
+    parser.add_argument("--tiny", action="store_true", help="CPU plumbing: tiny Qwen3, batches 2 and 3, 8 + 40 tokens")
+    parser.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                        help="measure nothing: <out>/<name>.json|md|png from the rows of FILEs (calls on one machine); "
+                             "rows with an error for a batch that another file measured are dropped")
+    parser.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.from_json:
+        return merge(args.from_json, args.name, args.out)
+    if any(engine in HF_ENGINES for engine in args.engines) and args.sampler != "greedy":
+        parser.error("the HF engines run greedy only")
+    if args.tiny and not args.engine_process:
+        args.batches, args.prompt_len, args.new_tokens = [2, 3], 8, 40
+        args.engines = [e for e in args.engines if e not in VLLM_ENGINES] or ["cb_sync"]
+    if args.engine_process:
+        return _engine_main(args)
+    return run_all(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""attn_backend="flash" (flash-attn 4's paged kernels): a clear error where it cannot run; on a GPU with flash-attn 4
+installed, the op against the sdpa_paged reference on fresh random batches, graph replay bit-exact, the driver."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from cb_sync import CBConfig, SamplingParams, SyncCBDriver
+from cb_sync.attention import flash_ops, sdpa_paged
+
+from conftest import make_model, random_prompts
+
+
+def test_flash_backend_on_the_cpu_is_a_value_error_before_any_work():
+    model = make_model("qwen3", lora=False)
+    with pytest.raises(ValueError, match="attn_backend='flash' needs a CUDA model"):
+        SyncCBDriver(model, CBConfig(attn_backend="flash"))
+
+
+def test_missing_flash_attn_is_named_with_the_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)       # import fails as if not installed
+    reason = flash_ops.unavailable_reason(torch.device("cuda"))
+    assert "flash-attn 4" in reason and "could not be imported" in reason and "cb_sync[flash]" in reason
+
+
+def _flash_ready() -> str | None:
+    return "no CUDA device" if not torch.cuda.is_available() else flash_ops.unavailable_reason(torch.device("cuda"))
+
+
+needs_flash = pytest.mark.skipif(_flash_ready() is not None, reason=f"flash backend: {_flash_ready()}")
+
+
+def _batch(q_lens, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, seed=0):
+    """Random bf16 pools, shuffled block tables zero-padded as the driver pads them, a query and this step's K/V
+    at the last q_len positions of each context (slots -1 for padded rows, seq_len 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    used = [-(-max(s, 1) // block_size) for s in seq_lens]
+    num_blocks = sum(used) + 4
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(used) + 3, dtype=torch.int32)
+    slots = []
+    for r, (n, q, s) in enumerate(zip(used, q_lens, seq_lens)):
+        tables[r, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        del order[:n]
+        slots += [int(tables[r, p // block_size]) * block_size + p % block_size if s else -1
+                  for p in range(max(s - q, 0), max(s - q, 0) + q)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    total = sum(q_lens)
+    rand = lambda *s: torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)   # noqa: E731
+    return dict(query=rand(total, num_heads, head_dim), key=rand(total, num_kv_heads, head_dim),
+                value=rand(total, num_kv_heads, head_dim), k_cache=rand(*shape), v_cache=rand(*shape),
+                slot_mapping=torch.tensor(slots, device="cuda"), block_tables=tables.cuda(),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                             device="cuda"), scale=head_dim ** -0.5)
+
+
+def _check_against_reference(batch, **kwargs):
+    ref_pools = batch["k_cache"].clone(), batch["v_cache"].clone()
+    sdpa_paged.store_kv(batch["key"], batch["value"], *ref_pools, batch["slot_mapping"])
+    out = flash_ops.flash_store_and_attend_op(**batch, **kwargs)
+    assert torch.equal(batch["k_cache"], ref_pools[0]) and torch.equal(batch["v_cache"], ref_pools[1])
+    q_lens = batch["query_start_loc"].diff()
+    ref = sdpa_paged.paged_attention(batch["query"], *ref_pools, batch["block_tables"], batch["seq_lens"],
+                                     batch["query_start_loc"], int(q_lens.max()), int(batch["seq_lens"].max()),
+                                     batch["scale"], kwargs.get("sliding_window"), kwargs.get("softcap"))
+    assert out.shape == ref.shape and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("num_splits", [1])
+@pytest.mark.parametrize("seq_lens", [[1, 16, 17, 300, 0, 5000], [9000] * 3 + [2]])
+@pytest.mark.gpu
+@needs_flash
+def test_flash_decode_matches_sdpa_paged(seq_lens, num_splits, seed):
+    _check_against_reference(_batch([1] * len(seq_lens), seq_lens, seed=seed), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("q_lens,seq_lens", [([5, 1, 40, 1], [5, 100, 200, 0]), ([300, 2], [300, 2051])])
+@pytest.mark.gpu
+@needs_flash
+def test_flash_prefill_and_mixed_steps_match_sdpa_paged(q_lens, seq_lens, seed):
+    _check_against_reference(_batch(q_lens, seq_lens, seed=seed))
+
+
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.gpu
+@needs_flash
+def test_flash_sliding_window_and_softcap_match_sdpa_paged(window):
+    _check_against_reference(_batch([1, 1, 30], [700, 40, 90], seed=5), sliding_window=window, softcap=30.0)
+
+
+@pytest.mark.gpu
+@needs_flash
+def test_flash_driver_replays_bit_identical_steps_and_greedy_follows_the_model():
+    """A replayed flash decode step equals the same step run uncaptured; greedy tokens are (near-)argmax of a
+    teacher-forced HF forward of the same bf16 model."""
+    from cb_sync.lora import lora_kernels
+    from cb_sync.model_state import generation_mode
+    from cb_sync.sampling import SamplerKind
+    model = make_model("qwen3", lora=True).to("cuda", torch.bfloat16)
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=8, attn_backend="flash"))
+    prompts = random_prompts([20, 3, 40, 64, 9, 17, 5, 33])
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=12))
+    replay = driver.runner.replay
+    assert (8, SamplerKind.GREEDY) in replay.graphs
+    for prompt, result in zip(prompts, results):
+        ids = torch.tensor([prompt + result.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(result.token_ids, device="cuda")[:, None])[:, 0]
+        assert (chosen >= logits.max(dim=1).values - 0.15).all(), (prompt, result.token_ids)
+    inputs = replay.buffers.views
+    with generation_mode(model), lora_kernels(model):
+        inputs["positions"][:8] = torch.arange(8, device="cuda") + 10
+        inputs["seq_lens"][:8] = inputs["positions"][:8].int() + 1
+        inputs["tables"][:8] = (torch.arange(8 * replay.width, device="cuda").view(8, -1).int()
+                                % driver.cache.num_blocks)
+        inputs["slots"][:8] = -1
+        replay.decode_step(8, SamplerKind.GREEDY)
+        eager = replay.out_tokens[:8].clone(), replay.out_logprobs[:8].clone()
+        replay.out_tokens.zero_()
+        replay.graphs.replay((8, SamplerKind.GREEDY))
+        torch.cuda.synchronize()
+    assert torch.equal(replay.out_tokens[:8], eager[0]) and torch.equal(replay.out_logprobs[:8], eager[1])

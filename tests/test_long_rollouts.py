@@ -1,0 +1,58 @@
+"""Workload L's benchmark on the CPU (tiny Qwen3): its rows, preemptions under a KV cap with no request lost, the
+per-context step times and the merge of several calls' rows."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from benchmarks import long_rollouts
+
+
+def test_tiny_run_writes_a_row_per_batch(tmp_path):
+    rows = long_rollouts.main(["--tiny", "--out", str(tmp_path)])
+    assert [(r["engine"], r["batch"]) for r in rows] == [("cb_sync_compiled", 2), ("cb_sync_compiled", 3)]
+    assert all(r["tok_per_s"] > 0 and r["preemptions"] == 0 and r["new_tokens"] == 40 for r in rows)
+    assert json.loads((tmp_path / "long_rollouts.json").read_text())[0]["batch"] == 2
+
+
+def test_a_kv_cap_below_the_batch_preempts_and_loses_no_request(tmp_path):
+    """5 blocks of 16 tokens for 3 requests of 48 tokens (3 blocks each): requests are preempted and recomputed; the
+    engine process checks every completion is whole (it raises otherwise, and the row would carry the error)."""
+    rows = long_rollouts.main(["--tiny", "--engines", "cb_sync", "--max-cache-gib", "0.00004", "--out", str(tmp_path)])
+    assert all("error" not in r for r in rows), rows
+    assert rows[-1]["batch"] == 3 and rows[-1]["preemptions"] > 0
+
+
+def _step(path, read_at, context):
+    chunk = SimpleNamespace(request=object(), start=context - 1, length=1)
+    return SimpleNamespace(path=path, read_at=read_at, plan=[chunk])
+
+
+def test_step_times_are_read_to_read_near_each_context():
+    steps = long_rollouts.ContextSteps()
+    for i, (path, at) in enumerate([("eager", 0.0), ("replay", 0.010), ("replay", 0.014), ("replay", 0.020)]):
+        steps(_step(path, at, 1000 + i))
+    steps(_step("replay", 1.0, 4096))
+    assert steps.ms_at(1024) == 5.0                 # replays after replays only: 4 ms and 6 ms
+    assert steps.ms_at(8192) is None
+
+
+def test_merge_keeps_measured_rows_and_drops_errors_measured_elsewhere(tmp_path):
+    first = [{"engine": "cb_sync_compiled", "batch": 8, "sampler": "greedy", "tok_per_s": 10.0},
+             {"engine": "cb_sync_compiled", "batch": 64, "sampler": "greedy", "error": "stopped"}]
+    second = [{"engine": "cb_sync_compiled", "batch": 64, "sampler": "greedy", "tok_per_s": 30.0}]
+    paths = []
+    for i, rows in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps([{**r, "lora": True, "seconds": 1, "peak_gib": 1} for r in rows]))
+    merged = long_rollouts.main(["--from-json", *map(str, paths), "--name", "m", "--out", str(tmp_path)])
+    assert [(r["batch"], r["tok_per_s"]) for r in merged] == [(8, 10.0), (64, 30.0)]
+    assert (tmp_path / "m.md").read_text().count("\n") == 4
+
+
+def test_hf_generate_rows_and_the_ratio_to_them(tmp_path):
+    rows = long_rollouts.main(["--tiny", "--engines", "cb_sync", "hf_generate", "--out", str(tmp_path)])
+    assert {(r["engine"], r["batch"]) for r in rows if r.get("tok_per_s")} == {
+        (e, b) for e in ("cb_sync", "hf_generate") for b in (2, 3)}
+    assert "x hf_generate" in (tmp_path / "long_rollouts.md").read_text()
