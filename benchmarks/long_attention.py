@@ -4,8 +4,9 @@ block tables as wide as Workload L's decode graphs (`--width-tokens`, 16,384: th
 tokens' blocks). Microseconds per launch from one CUDA graph of `--launches` launches, replayed; the roofline is the
 batch's K and V read once at the card's copy bandwidth; `step_ms` is 36 layers of it.
 
-Variants: `triton` (cb_sync's split-K decode kernel, the default tuning), `triton_pps8` / `triton_pps16` (split-K
-aiming at 8 / 16 programs an SM), and `flash` (flash-attn 4's paged kernels, split heuristic; skipped with its reason
+Variants: `triton` (cb_sync's split-K decode kernel, the default tuning), `triton_pps3` / `triton_pps8` /
+`triton_pps16` (split-K aiming at 3 / 8 / 16 programs an SM; 3 keeps batch 8, 32 and 64's grids within one wave of
+4 programs an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, split heuristic; skipped with its reason
 where it cannot run). Each is checked against sdpa_paged on a small batch first.
 
     python -m benchmarks.long_attention [--batches 8 32 64] [--contexts 1024 4096 8192 16384] [--variants ...]
@@ -23,7 +24,8 @@ from cb_sync.attention import sdpa_paged, triton_ops
 from cb_sync.tuning import AttentionTuning
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 32, 8, 128, 16, 36
-TUNINGS = {"triton": AttentionTuning(), "triton_pps8": AttentionTuning(decode_programs_per_sm=8),
+TUNINGS = {"triton": AttentionTuning(), "triton_pps3": AttentionTuning(decode_programs_per_sm=3),
+           "triton_pps8": AttentionTuning(decode_programs_per_sm=8),
            "triton_pps16": AttentionTuning(decode_programs_per_sm=16)}
 VARIANTS = (*TUNINGS, "flash")
 
