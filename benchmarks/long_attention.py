@@ -2,12 +2,13 @@
 Qwen3-4B's shape (32 query heads, 8 KV heads, head dim 128, bf16, blocks of 16), per batch and context, with the
 block tables as wide as Workload L's decode graphs (`--width-tokens`, 16,384: the next power of two of 9,216
 tokens' blocks). Microseconds per launch from one CUDA graph of `--launches` launches, replayed; the roofline is the
-batch's K and V read once at the card's copy bandwidth; `step_ms` is 36 layers of it.
+batch's K and V read once at the card's copy bandwidth (every launch reads the same pools: a batch's KV under the
+50 MB L2, batch 8 at 1k, may be served partly from it); `step_ms` is 36 layers of it.
 
 Variants: `triton` (cb_sync's split-K decode kernel, the default tuning), `triton_pps3` / `triton_pps8` /
 `triton_pps16` (split-K aiming at 3 / 8 / 16 programs an SM; 3 keeps batch 8, 32 and 64's grids within one wave of
-4 programs an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, split heuristic; skipped with its reason
-where it cannot run). Each is checked against sdpa_paged on a small batch first.
+4 programs an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, one split: it has no split-KV
+path on sm90; skipped with its reason where it cannot run). Each is checked against sdpa_paged on a small batch first.
 
     python -m benchmarks.long_attention [--batches 8 32 64] [--contexts 1024 4096 8192 16384] [--variants ...]
 """

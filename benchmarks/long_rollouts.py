@@ -188,7 +188,8 @@ def run_all(args) -> list[dict]:
         name = f"{args.name}_{engine}"
         left = None if stop is None else stop - time.monotonic()
         if left is not None and left <= 0:
-            rows += [{"engine": engine, "batch": b, "error": "not run: --time-limit used up"} for b in args.batches]
+            rows += [{"engine": engine, "batch": b, "sampler": args.sampler, "error": "not run: --time-limit used up"}
+                     for b in args.batches]
             continue
         outcome = run_child(_engine_command(engine, args, name), timeout=left)
         path = args.out / f"{name}.json"

@@ -32,8 +32,8 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"attn_backend='flash' needs flash-attn 4 (flash_attn.cute), which could not be imported: {error!r}; " \
                + INSTALL_HINT
     major, minor = torch.cuda.get_device_capability(device)
-    if major not in (8, 9, 10, 11, 12):
-        return f"attn_backend='flash': flash-attn 4 has no kernels for compute capability {major}.{minor}"
+    if major not in (9, 10, 11):          # its sm80 and sm120 kernels take no paged KV
+        return f"attn_backend='flash': flash-attn 4 has no paged-KV kernels for compute capability {major}.{minor}"
     return None
 
 
@@ -45,7 +45,7 @@ def flash_store_and_attend_op(query: torch.Tensor, key: torch.Tensor, value: tor
                               num_splits: int = 1) -> torch.Tensor:
     """Write key/value [T, Hkv, D] into the caches at slot_mapping [T] (slots < 0 skipped), then return FlashAttention
     of query [T, Hq, D] over each request's cached context (padded requests, seq_len 0, as zeros). num_splits: split-KV
-    partitions of a decode step (0: FlashAttention's heuristic, from the shapes)."""
+    partitions of a decode step; flash-attn 4 splits only on sm100+ (on sm90 it must stay 1)."""
     from flash_attn.cute import flash_attn_varlen_func
     triton_kernels.store_kv(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
