@@ -95,6 +95,33 @@ def graph_us(step, launches: int, replays: int) -> float:
     return 1000 * start.elapsed_time(end) / (replays * launches)
 
 
+def grouped_bars(series: dict[str, dict[int, float]], path, title: str, log_scale: bool = False,
+                 width_inches: float = 10) -> None:
+    """A bar chart of generated tokens / s: one group a batch size, one bar a series (label -> {batch: tok/s}), in the
+    order given; skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    batches = sorted({batch for values in series.values() for batch in values})
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(width_inches, 4.5))
+    for i, (label, values) in enumerate(series.items()):
+        xs = [x for x, batch in enumerate(batches) if batch in values]
+        ax.bar([x + i * width for x in xs], [values[batches[x]] for x in xs], width, label=label)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    if log_scale:
+        ax.set_yscale("log")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def gpu_state() -> dict:
     """The card's temperature (C), SM clock (MHz) and power draw (W) now, from nvidia-smi; {} where it is absent."""
     try:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (KV_BYTES_PER_TOKEN, LORA_BYTES, RESULTS, WEIGHT_BYTES, COPY_BANDWIDTH, build_model,
-                               gpu_state, markdown_table, write_results)
+                               gpu_state, grouped_bars, markdown_table, write_results)
 from benchmarks import throughput
 from benchmarks.isolation import run_child
 from benchmarks.throughput import make_prompts
@@ -245,28 +245,11 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Tok/s per engine and batch; skipped without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    batches = sorted({r["batch"] for r in rows})
     engines = sorted({r["engine"] for r in rows}, key=lambda e: (e in VLLM_ENGINES, e))
-    width = 0.8 / max(len(engines), 1)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for i, engine in enumerate(engines):
-        values = {r["batch"]: r["tok_per_s"] for r in rows if r["engine"] == engine}
-        xs = [x for x, b in enumerate(batches) if b in values]
-        ax.bar([x + i * width for x in xs], [values[batches[x]] for x in xs], width,
-               label=engine if engine != "vllm_nolora" else "vllm_nolora (merged weights)")
-    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title("Workload L (Qwen3-4B shape + LoRA r32, 1,024-token prompts, 8,192 new tokens), one H200")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    grouped_bars({engine if engine != "vllm_nolora" else "vllm_nolora (merged weights)":
+                  {r["batch"]: r["tok_per_s"] for r in rows if r["engine"] == engine} for engine in engines}, path,
+                 "Workload L (Qwen3-4B shape + LoRA r32, 1,024-token prompts, 8,192 new tokens), one H200",
+                 width_inches=9)
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ import importlib.util
 
 import torch
 
-from benchmarks.common import markdown_table, write_results
+from benchmarks.common import graph_us, markdown_table, write_results
 from cb_sync.lora import kernels
 from cb_sync.tuning import LoraTuning
 
@@ -63,19 +63,7 @@ def _variant(module, settings: str):
 def _us_per_layer(fn, repeats: int = 10) -> float:
     """Mean microseconds per layer of fn (all LAYERS layers) captured in one CUDA graph."""
     with torch.no_grad():
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(stop) / (repeats * LAYERS)
+        return graph_us(fn, 1, repeats) / LAYERS
 
 
 def _load_module(path: str):

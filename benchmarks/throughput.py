@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, gpu_state, markdown_table, write_results
+from benchmarks.common import (RESULTS, build_model, floor_seconds_per_step, gpu_state, grouped_bars, markdown_table,
+                               write_results)
 from benchmarks.isolation import run_child
 
 PREFILL_TOKENS = 16384   # cb_sync's max_batch_tokens: the prompts of batch 128 (128 x 128 tokens) in one step
@@ -303,29 +304,11 @@ def _missing_rows(engine: str, args, got: list[dict], reason: str, tail: list[st
 
 def plot(rows: list[dict], path) -> None:
     """Tokens per second per engine (with / without LoRA) and batch size, log scale; skipped without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    batches = sorted({r["batch"] for r in rows})
     series = sorted({(r["engine"], r["lora"]) for r in rows}, key=lambda s: (s[0] in PEERS, s[0], not s[1]))
-    width = 0.8 / max(len(series), 1)
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for i, (engine, lora) in enumerate(series):
-        values = {r["batch"]: r["tok_per_s"] for r in rows if (r["engine"], r["lora"]) == (engine, lora)}
-        xs = [b for b, _ in enumerate(batches) if batches[b] in values]
-        ax.bar([x + i * width for x in xs], [values[batches[x]] for x in xs], width,
-               label=f"{engine} ({'LoRA' if lora else 'no adapter'})")
-    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
-    ax.set_yscale("log")
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title("Workload T (Qwen3-4B shape, 128-token prompts, 256 new tokens), one run")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    grouped_bars({f"{engine} ({'LoRA' if lora else 'no adapter'})":
+                  {r["batch"]: r["tok_per_s"] for r in rows if (r["engine"], r["lora"]) == (engine, lora)}
+                  for engine, lora in series}, path,
+                 "Workload T (Qwen3-4B shape, 128-token prompts, 256 new tokens), one run", log_scale=True)
 
 
 def _ratio(a: float, b: float) -> str:

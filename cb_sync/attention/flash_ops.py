@@ -6,7 +6,8 @@ runs as a batch of one query per request, other steps as varlen queries; both ca
 is cb_sync's convention (a request's queries are the last positions of its context). FlashAttention compiles a
 kernel on first use of each shape, so a step is captured in a graph only after it ran once uncaptured (the
 driver's warm-up does that). Its choices depend on shapes only (the block table's width, not the lengths), so a
-captured step stays valid for every batch of its bucket."""
+captured step stays valid for every batch of its bucket; it records the pools' addresses, so graphs are captured
+again when the pools move."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from . import triton_kernels
 from .metadata import AttnMetadata
 from .sdpa_paged import token_requests
 
-DECODE_FOLLOWS_POOLS = False     # the pools' addresses are recorded in captured steps
 INSTALL_HINT = "pip install 'cb_sync[flash]' (flash-attn-4 with nvidia-cutlass-dsl's CUDA 13 libraries)"
 
 
