@@ -1,6 +1,7 @@
 """Decode-step probe: milliseconds per pure-decode step per bucket, eager vs graph replay (vs compiled graph),
 with and without LoRA, and % of the bandwidth floor. Every row of the batch has a 384-token context.
-    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile] [--peft-lora | --lora-alone | --base-by-torch] [--lora-only] [--profile FILE]
+    python -m benchmarks.decode_graphs [--batches 4 32 128] [--compile]
+        [--peft-lora | --lora-alone | --base-by-torch] [--lora-only] [--profile FILE]
 
 --profile appends, per probe, the GPU kernels of five graph replays grouped by kind (GEMM, Triton, attention,
 copies, other: count and microseconds per step) and the top kernels by GPU time.

@@ -409,7 +409,8 @@ def evaluate_gates(args, rows: list[dict]) -> None:
         r.pop("gate", None)
         r.pop("gate_self", None)
         # a backend stopped by --time-limit is expected to have the steps it had time for
-        kwargs["expected_steps"] = len(r.get("per_step") or []) if r.get("stopped_early") else r.get("steps", args.steps)
+        kwargs["expected_steps"] = (len(r.get("per_step") or []) if r.get("stopped_early")
+                                    else r.get("steps", args.steps))
         if r.get("per_step") and reference is not None and r is not reference:
             r["gate"] = compare(reference["per_step"], r["per_step"], args.kl_atol, **kwargs)
         elif r.get("per_step"):   # the reference itself, or no reference: the checks that need none

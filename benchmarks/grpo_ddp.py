@@ -10,7 +10,8 @@ Each rank records per step its wall time, rollout time and peak GPU memory (benc
 
     python -m benchmarks.grpo_ddp [--tiny] [--gpus 1 2] [--steps 10] [--warmup 3] [--max-completion 512]
                                   [--cb-compile] [--cb-release-cache auto|on|off]
-                                  [--cb-group-by-length auto|on|off] [--time-limit SECONDS] [--name grpo_ddp] [--out DIR]
+                                  [--cb-group-by-length auto|on|off] [--time-limit SECONDS]
+                                  [--name grpo_ddp] [--out DIR]
 
 Writes <name>.json (one row per N) and <name>.md: median step and rollout time (per step, the slowest rank), peak
 GiB per rank, completions per second (N x 4 / median step time), their scaling against N = 1 (target >= 1.85x at

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import COPY_BANDWIDTH, RESULTS, graph_us, markdown_table, write_results
+from benchmarks.common import COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, RESULTS, graph_us, markdown_table, write_results
 from cb_sync.attention import sdpa_paged, triton_ops
 from cb_sync.tuning import AttentionTuning
 
@@ -64,7 +64,7 @@ def flash_unavailable() -> str | None:
         from cb_sync.attention import flash_ops
     except ImportError as error:
         return f"this cb_sync has no flash backend: {error!r}"
-    return flash_ops.unavailable_reason(torch.device("cuda"))
+    return flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16)
 
 
 def check(variant: str) -> None:
@@ -106,7 +106,7 @@ def main(argv=None) -> list[dict]:
             variants.append(variant)
     for batch in args.batches:
         for context in args.contexts:
-            floor_us = 1e6 * batch * context * KV_HEADS * HEAD_DIM * 2 * 2 / COPY_BANDWIDTH
+            floor_us = 1e6 * batch * context * KV_BYTES_PER_TOKEN / LAYERS / COPY_BANDWIDTH
             for variant in variants:
                 us = min(launch_us(variant, batch, context, args.width_tokens, args.launches) for _ in range(2))
                 rows.append({"variant": variant, "batch": batch, "context": context, "us": round(us, 1),

@@ -2,7 +2,7 @@
 (EOS silenced), batch 8 / 32 / 64, greedy or GRPO's sampler (TRL's defaults: temperature 1, no filter).
 
     python -m benchmarks.long_rollouts [--batches 8 32 64] [--engines cb_sync_compiled vllm vllm_nolora hf_generate]
-        [--sampler greedy|grpo] [--max-cache-gib 96] [--name long_rollouts] [--time-limit S]
+        [--sampler greedy|grpo] [--max-cache-gib 96 [16 ...]] [--name long_rollouts] [--time-limit S]
     python -m benchmarks.long_rollouts --tiny --out DIR      # CPU plumbing check: tiny Qwen3, fp32, a few tokens
     python -m benchmarks.long_rollouts --from-json A.json B.json --name NAME   # merge calls' rows of one machine
 
@@ -11,9 +11,10 @@ engine at one batch size: one timed call after a warm-up call that builds what t
 request as long as the workload's, prompt 16 tokens short of it, so the decode graphs are captured for the cache's
 width; for vLLM: the batch with 16 new tokens). Rows give tok/s of the whole call (prefill included), its seconds,
 the floor (weights + adapter + the batch's KV read once a step, at the card's copy bandwidth), peak memory, and for
-cb_sync the KV cache it allocated, the preemptions it made (`--max-cache-gib` below the batch's need forces them) and
-the median time of a replayed decode step at contexts of 1k / 4k / 8k / 16k tokens (steps within 64 tokens of
-each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves. `hf_generate` and
+cb_sync the KV cache it allocated, the preemptions it made and the tokens they had it recompute (`--max-cache-gib`
+below the batch's need forces them; several caps: a row for each cap and batch, one driver) and the median time of
+a replayed decode step at contexts of 1k / 4k / 8k tokens, and 16k where prompt + new tokens reach it (steps within
+64 tokens of each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves. `hf_generate` and
 `hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled by `generate`,
 its first call timed apart), greedy, one timed call a batch.
 """
@@ -21,6 +22,7 @@ its first call timed apart), greedy, one timed call a batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -30,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (KV_BYTES_PER_TOKEN, LORA_BYTES, RESULTS, WEIGHT_BYTES, COPY_BANDWIDTH, build_model,
-                               gpu_state, grouped_bars, markdown_table, write_results)
+from benchmarks.common import (RESULTS, build_model, floor_seconds_per_step, gpu_state, grouped_bars, markdown_table,
+                               write_results)
 from benchmarks import throughput
 from benchmarks.isolation import run_child
 from benchmarks.throughput import make_prompts
@@ -39,7 +41,7 @@ from benchmarks.throughput import make_prompts
 CONTEXTS = (1024, 4096, 8192, 16384)     # where a decode step's time is reported
 CONTEXT_WINDOW = 64                      # steps within this many tokens of a context count for it
 WARMUP_TOKENS = 16
-PREFILL_TOKENS = 16384                   # cb_sync's max_batch_tokens: 16 of the 1,024-token prompts a step
+MAX_BATCH_TOKENS = 16384                 # cb_sync's token budget a step: 16 of the 1,024-token prompts
 CB_ENGINES = ("cb_sync_compiled", "cb_sync")
 HF_ENGINES = ("hf_generate", "hf_generate_static")    # greedy only; static: the cache compiled by `generate`
 VLLM_ENGINES = ("vllm", "vllm_nolora")
@@ -48,7 +50,7 @@ DEFAULT_ENGINES = ("cb_sync_compiled", "vllm", "vllm_nolora")
 
 def step_floor_ms(batch: int, context: int, lora: bool = True) -> float:
     """Bandwidth floor of one decode step (ms): the weights (+ adapter) and the batch's KV at `context` read once."""
-    return 1e3 * (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + KV_BYTES_PER_TOKEN * batch * context) / COPY_BANDWIDTH
+    return 1e3 * floor_seconds_per_step(batch, context, lora)
 
 
 def call_floor_s(batch: int, prompt_len: int, new_tokens: int, lora: bool = True) -> float:
@@ -58,18 +60,22 @@ def call_floor_s(batch: int, prompt_len: int, new_tokens: int, lora: bool = True
 
 class ContextSteps:
     """A driver observer: for every step, its path, when it was read and the longest context among its requests;
-    `ms_at(context)`: the median time of replayed steps near that context (each step's read minus the read before),
-    and the requests it saw (for their preemptions)."""
+    `ms_at(context)`: the median time of replayed steps near that context (each step's read minus the read before);
+    the requests it saw (for their preemptions) and `recomputed`, the tokens fed again below a request's furthest
+    position already computed (what preemption cost)."""
 
     def __init__(self):
         self.clear()
 
     def clear(self) -> None:
-        self.steps, self.requests = [], {}
+        self.steps, self.requests, self.furthest, self.recomputed = [], {}, {}, 0
 
     def __call__(self, output) -> None:
         for chunk in output.plan:
-            self.requests[id(chunk.request)] = chunk.request
+            key, end = id(chunk.request), chunk.start + chunk.length
+            self.requests[key] = chunk.request
+            self.recomputed += max(0, min(end, self.furthest.get(key, 0)) - chunk.start)
+            self.furthest[key] = max(end, self.furthest.get(key, 0))
         self.steps.append((output, max(chunk.start + chunk.length for chunk in output.plan)))
 
     def ms_at(self, context: int) -> float | None:
@@ -88,11 +94,12 @@ def sampling_params(sampler: str, new_tokens: int):
 
 
 def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
-    """One driver serves every batch (one compile, graphs captured once for the cache's width)."""
+    """One driver serves every cap and batch (one compile, graphs captured once for the cache's width); between two
+    caps the cache is released (the graphs kept) and the next call allocates it within the new cap."""
     from cb_sync import CBConfig, SyncCBDriver
     steps = ContextSteps()
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=max(args.batches), max_batch_tokens=PREFILL_TOKENS,
-                                          compile=engine == "cb_sync_compiled", max_cache_gib=args.max_cache_gib,
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=max(args.batches), max_batch_tokens=MAX_BATCH_TOKENS,
+                                          compile=engine == "cb_sync_compiled", max_cache_gib=args.max_cache_gib[0],
                                           progress_bar=False), observer=steps)
     length = args.prompt_len + args.new_tokens
     start = time.perf_counter()
@@ -100,7 +107,10 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
                     sampling_params(args.sampler, WARMUP_TOKENS), seed=0)
     warmup_s = time.perf_counter() - start
     rows = []
-    for batch in args.batches:
+    for cap, batch in ((cap, batch) for cap in args.max_cache_gib for batch in args.batches):
+        if cap != driver.config.max_cache_gib:
+            driver.release(keep_graphs=True)
+            driver.config = dataclasses.replace(driver.config, max_cache_gib=cap)
         steps.clear()
         gc.collect()
         cuda = torch.cuda.is_available()
@@ -118,7 +128,7 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
                                f"{len(results)} of lengths {sorted(lengths)}")
         row = _row(engine, batch, args, seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
         row.update(warmup_s=round(warmup_s, 1), kv_gib=round(driver.cache.nbytes / 2**30, 2),
-                   preemptions=steps.preemptions(), max_cache_gib=args.max_cache_gib,
+                   preemptions=steps.preemptions(), recomputed_tokens=steps.recomputed, max_cache_gib=cap,
                    **{f"ms_step_{c}": steps.ms_at(c) for c in CONTEXTS if c <= length},
                    **{f"floor_ms_{c}": round(step_floor_ms(batch, c), 3) for c in CONTEXTS if c <= length},
                    **gpu_state())
@@ -177,7 +187,7 @@ def _engine_command(engine: str, args, name: str) -> list[str]:
         return [sys.executable, "-m", "benchmarks.peers_vllm", "--engine", engine, *shared, "--repeats", "1",
                 "--warmup-tokens", str(WARMUP_TOKENS), "--max-model-len", str(args.prompt_len + args.new_tokens)]
     return [sys.executable, "-m", "benchmarks.long_rollouts", "--engines", engine, "--engine-process", *shared,
-            "--max-cache-gib", str(args.max_cache_gib)]
+            "--max-cache-gib", *map(str, args.max_cache_gib)]
 
 
 def run_all(args) -> list[dict]:
@@ -187,16 +197,17 @@ def run_all(args) -> list[dict]:
     for engine in sorted(args.engines, key=lambda e: e in VLLM_ENGINES):
         name = f"{args.name}_{engine}"
         left = None if stop is None else stop - time.monotonic()
+        caps = args.max_cache_gib if engine in CB_ENGINES else [None]
+        expected = [{"engine": engine, "batch": b, "lora": engine != "vllm_nolora", "sampler": args.sampler,
+                     **({"max_cache_gib": cap} if cap else {})} for cap in caps for b in args.batches]
         if left is not None and left <= 0:
-            rows += [{"engine": engine, "batch": b, "sampler": args.sampler, "error": "not run: --time-limit used up"}
-                     for b in args.batches]
+            rows += [{**row, "error": "not run: --time-limit used up"} for row in expected]
             continue
         outcome = run_child(_engine_command(engine, args, name), timeout=left)
         path = args.out / f"{name}.json"
         got = json.loads(path.read_text()) if path.is_file() else []
-        have = {row["batch"] for row in got}
-        rows += got + [{"engine": engine, "batch": b, "lora": engine != "vllm_nolora", "sampler": args.sampler,
-                        "error": outcome.reason(left)} for b in args.batches if b not in have]
+        have = {_key(row) for row in got}
+        rows += got + [{**row, "error": outcome.reason(left)} for row in expected if _key(row) not in have]
         for suffix in (".json", ".md"):
             (args.out / f"{name}{suffix}").unlink(missing_ok=True)
         write_results(args.name, rows, table(rows), args.out)
@@ -207,14 +218,25 @@ def run_all(args) -> list[dict]:
 
 def merge(paths: list[str], name: str, out: Path) -> list[dict]:
     rows = [row for path in paths for row in json.loads(Path(path).read_text())]
-    measured = {(r["engine"], r["batch"], r.get("sampler")) for r in rows if r.get("tok_per_s")}
-    rows = [r for r in rows if r.get("tok_per_s") or (r["engine"], r["batch"], r.get("sampler")) not in measured]
+    measured = {_key(r) for r in rows if r.get("tok_per_s")}
+    rows = [r for r in rows if r.get("tok_per_s") or _key(r) not in measured]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
     (out / f"{name}.md").write_text(table(rows))
     plot([row for row in rows if row.get("tok_per_s")], out / f"{name}.png")
     print(table(rows))
     return rows
+
+
+def _key(row: dict) -> tuple:
+    """What a row measured: engine, batch, sampler and, for cb_sync, its KV cap."""
+    return row["engine"], row["batch"], row.get("sampler"), row.get("max_cache_gib")
+
+
+def _label(row: dict) -> str:
+    if row.get("max_cache_gib") is not None:
+        return f"{row['engine']} (cap {row['max_cache_gib']:g} GiB)"
+    return row["engine"] if row["engine"] != "vllm_nolora" else "vllm_nolora (merged weights)"
 
 
 def table(rows: list[dict]) -> str:
@@ -224,7 +246,7 @@ def table(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         if not row.get("tok_per_s"):
-            lines.append([row["engine"], row.get("sampler", "-"), row["batch"], *["-"] * 9,
+            lines.append([_label(row), row.get("sampler", "-"), row["batch"], *["-"] * 9,
                           f"could not run: {row.get('error', 'no result')}"])
             continue
         ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}" for p in peers
@@ -234,20 +256,27 @@ def table(rows: list[dict]) -> str:
         floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS[:3])
         memory = row["peak_gib"] if row.get("card_held_gib") is None else (
             f"{row['card_held_gib']} held / {row['card_reserved_gib']} reserved")
-        lines.append([row["engine"], row.get("sampler", "-"), row["batch"], row["tok_per_s"], row["seconds"],
+        lines.append([_label(row), row.get("sampler", "-"), row["batch"], row["tok_per_s"], row["seconds"],
                       f"{row['pct_of_floor']}%" if row.get("pct_of_floor") is not None else "-", steps, floors,
-                      memory, row.get("kv_gib", "-"), row.get("preemptions", "-"), row.get("engine_start_s", "-"),
+                      memory, row.get("kv_gib", "-"), _preemptions(row), row.get("engine_start_s", "-"),
                       ", ".join(ratios) or "-"])
     return markdown_table(["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k",
-                           "floor ms at 1k / 4k / 8k", "peak GiB", "KV GiB", "preemptions", "engine start s",
-                           "vs peers (same machine)"], lines)
+                           "floor ms at 1k / 4k / 8k", "peak GiB", "KV GiB", "preemptions (tokens recomputed)",
+                           "engine start s", "vs peers (same machine)"], lines)
+
+
+def _preemptions(row: dict) -> str:
+    if "preemptions" not in row:
+        return "-"
+    return f"{row['preemptions']} ({row['recomputed_tokens']:,})" if "recomputed_tokens" in row else str(
+        row["preemptions"])
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Tok/s per engine and batch; skipped without matplotlib."""
-    engines = sorted({r["engine"] for r in rows}, key=lambda e: (e in VLLM_ENGINES, e))
-    grouped_bars({engine if engine != "vllm_nolora" else "vllm_nolora (merged weights)":
-                  {r["batch"]: r["tok_per_s"] for r in rows if r["engine"] == engine} for engine in engines}, path,
+    """Tok/s per engine (cb_sync: and KV cap) and batch; skipped without matplotlib."""
+    rows = sorted(rows, key=lambda r: (r["engine"] in VLLM_ENGINES, r["engine"], -(r.get("max_cache_gib") or 0)))
+    grouped_bars({_label(row): {r["batch"]: r["tok_per_s"] for r in rows if _label(r) == _label(row)}
+                  for row in rows}, path,
                  "Workload L (Qwen3-4B shape + LoRA r32, 1,024-token prompts, 8,192 new tokens), one H200",
                  width_inches=9)
 
@@ -260,7 +289,8 @@ def main(argv=None):
     parser.add_argument("--sampler", choices=["greedy", "grpo"], default="greedy")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=8192)
-    parser.add_argument("--max-cache-gib", type=float, default=96.0, help="cb_sync's KV cap (CBConfig.max_cache_gib)")
+    parser.add_argument("--max-cache-gib", type=float, nargs="+", default=[96.0],
+                        help="cb_sync's KV caps (CBConfig.max_cache_gib): a row for each cap and batch")
     parser.add_argument("--name", default="long_rollouts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--time-limit", type=float, default=None, help="seconds for all engines together")

@@ -4,6 +4,9 @@
 # One machine, calls back to back (its /tmp lives only while it stays warm). Results and one log go to $OUT.
 #   bash benchmarks/peers_gpu.sh STAGE [STAGE ...]
 #   copy1 .. copy5  carry .vllm-wheels/pN: part N of the vLLM wheel into /tmp/vl/
+#   copyq1 .. copyq4, copyqr   the same parts cut once more (a 60 MiB part and the project tree exceed a call's
+#                   carry): `split -b 58M -a 1 pN/PART qN/PART.` for N = 1..4, then every `.b` piece moved to qr/;
+#                   carry qN (then qr): the pieces are joined into their parts when vLLM is installed
 #   tp_cb           Workload T, cb_sync_compiled in a process of its own         -> throughput_peers_cb.*
 #   tp_vllm         Workload T, vllm and vllm_nolora, one process each           -> throughput_peers_vllm.*
 #   tp_all          Workload T, cb_sync_compiled, vllm, vllm_nolora             -> throughput_peers.*
@@ -14,11 +17,19 @@
 #                   datasets from /tmp/vsite, else from /tmp/usite)             -> grpo_peers_unsloth.*
 #   grpo_vllm       Workload G, trl_vllm and trl_vllm_sleep, one process each   -> grpo_peers_vllm.*
 #   grpo_all        Workload G, cb_sync (compiled), trl_vllm, trl_vllm_sleep     -> grpo_peers.*
+#   long_cb         Workload L, cb_sync_compiled                                  -> long_rollouts_cb.*
+#   long_vllm       Workload L, vllm and vllm_nolora, one process each            -> long_rollouts_vllm.*
+#   long_vllm_nolora   Workload L, vllm_nolora alone                               -> long_rollouts_vllm_nolora.*
+#   long_hf         Workload L, hf_generate and hf_generate_static                -> long_rollouts_hf.*
+#   long_attention  decode attention at reasoning lengths, every variant         -> long_attention.*
+#                   (LONG_ARGS is appended to the long_* stages' arguments: e.g. LONG_ARGS="--sampler grpo")
 # Merge the calls' results afterwards (CPU):
 #   python -m benchmarks.throughput --from-json DIR1/throughput_peers_cb.json DIR2/throughput_peers_vllm.json \
 #       --name throughput_peers
 #   python -m benchmarks.grpo --from-json DIR3/grpo_peers_cb.json DIR4/grpo_peers_vllm.json \
 #       DIR5/grpo_peers_unsloth.json --name grpo_peers
+#   python -m benchmarks.long_rollouts --from-json DIR6/long_rollouts_cb.json DIR7/long_rollouts_vllm.json \
+#       --name long_rollouts
 # Stages of one call share its budget: a stage's time limit is a cap, and one that ends early leaves the rest.
 # CALL_BUDGET (seconds, default 570) bounds the whole call: each stage's time limit is what is left of it.
 # TP_ARGS / GRPO_ARGS are appended to the benchmarks' arguments (last, so they win: e.g. GRPO_ARGS="--workload G2
@@ -41,25 +52,31 @@ pip_target() {  # TARGET WHEEL...
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$@"
 }
 
-site_vllm() {  # /tmp/vsite: vLLM + its packages + TRL 1.16 and datasets; without the vLLM parts, TRL and datasets
-  if [ -f /tmp/vsite/vllm/__init__.py ] && [ -f /tmp/vsite/trl/__init__.py ]; then
-    say "/tmp/vsite holds vLLM and TRL"
-  else
+site_vllm() {  # /tmp/vsite: vLLM + its packages (the parts in /tmp/vl, .vllm-wheels/p6); TRL 1.16 + datasets (.whl)
+  if [ ! -f /tmp/vsite/vllm/__init__.py ]; then
+    local piece
+    for piece in /tmp/vl/$W.part-a?.a; do   # a part carried in two pieces (copyqN + copyqr)
+      [ -f "$piece" ] && [ -f "${piece%.a}.b" ] || continue
+      cat "$piece" "${piece%.a}.b" > "${piece%.a}" && rm "$piece" "${piece%.a}.b"
+    done
     local parts; parts=$(ls /tmp/vl/$W.part-a? 2>/dev/null | wc -l)
-    local trl_wheels; trl_wheels=$(ls .whl/*.whl 2>/dev/null | grep -v dill-)   # dill: from one folder only
-    if [ "$parts" = 5 ] && [ -d .vllm-wheels/p6 ] && [ -d .whl ]; then
+    if [ "$parts" = 5 ] && [ -d .vllm-wheels/p6 ]; then
       cat /tmp/vl/$W.part-a? > /tmp/$W
       if echo "$W_SHA256  /tmp/$W" | sha256sum -c --quiet; then
-        pip_target /tmp/vsite /tmp/$W .vllm-wheels/p6/*.whl $trl_wheels && say "installed vLLM + TRL into /tmp/vsite"
+        pip_target /tmp/vsite /tmp/$W .vllm-wheels/p6/*.whl && say "installed vLLM into /tmp/vsite"
       else
         say "the vLLM wheel put together from /tmp/vl does not match its sha256: vLLM left out"
       fi
       rm -f /tmp/$W
+    else
+      say "vLLM left out: $parts of 5 parts in /tmp/vl, .vllm-wheels/p6 $([ -d .vllm-wheels/p6 ] || echo not) carried"
     fi
-    if [ ! -f /tmp/vsite/trl/__init__.py ] && [ -d .whl ]; then
-      local dill; dill=$(ls .whl/dill-*.whl .vllm-wheels/p6/dill-*.whl .unsloth-wheels/dill-*.whl 2>/dev/null | head -1)
-      pip_target /tmp/vsite $trl_wheels $dill && say "installed TRL + datasets (no vLLM: $parts of 5 parts in /tmp/vl)"
-    fi
+  fi
+  if [ ! -f /tmp/vsite/trl/__init__.py ] && [ -d .whl ]; then
+    local dill=""                            # one dill only: p6's where vLLM brought it
+    [ -d /tmp/vsite/dill ] || dill=$(ls .whl/dill-*.whl .vllm-wheels/p6/dill-*.whl .unsloth-wheels/dill-*.whl \
+      2>/dev/null | head -1)
+    pip_target /tmp/vsite $(ls .whl/*.whl | grep -v dill-) $dill && say "installed TRL + datasets into /tmp/vsite"
   fi
   export PYTHONPATH=/tmp/vsite${PYTHONPATH:+:$PYTHONPATH}
   python3 -m pip list 2>/dev/null | grep -iE "^(vllm|trl|datasets|torch|transformers|peft|accelerate) " || true
@@ -87,11 +104,33 @@ grpo() {  # NAME BACKEND... (flags first)
     --unsloth-site /tmp/usite --name "$name" --out "$OUT" $GRPO_ARGS
 }
 
+long_rollouts() {  # NAME ENGINE...
+  local name=$1; shift
+  local limit; limit=$(left)
+  say "long_rollouts $* (limit $limit s)"
+  timeout -s INT -k 30 "$limit" python3 -m benchmarks.long_rollouts --engines "$@" --name "$name" --out "$OUT" \
+    --time-limit $((limit - 30)) $LONG_ARGS
+}
+
 run_stages() {
   for stage in "$@"; do
     case "$stage" in
-      copy[1-5])
-        mkdir -p /tmp/vl && cp .vllm-wheels/p${stage#copy}/* /tmp/vl/ && say "/tmp/vl: $(ls /tmp/vl | wc -l) parts" ;;
+      copy[1-5]|copyq[1-4]|copyqr)
+        folder=${stage#copy}; [ -d ".vllm-wheels/$folder" ] || folder=p$folder    # copy1 -> p1, copyq1 -> q1
+        mkdir -p /tmp/vl && cp ".vllm-wheels/$folder"/* /tmp/vl/ && say "/tmp/vl: $(ls /tmp/vl | wc -l) files" ;;
+      long_cb)
+        long_rollouts long_rollouts_cb cb_sync_compiled ;;
+      long_vllm)
+        site_vllm
+        long_rollouts long_rollouts_vllm vllm vllm_nolora ;;
+      long_vllm_nolora)
+        site_vllm
+        long_rollouts long_rollouts_vllm_nolora vllm_nolora ;;
+      long_hf)
+        long_rollouts long_rollouts_hf hf_generate hf_generate_static ;;
+      long_attention)
+        say "long_attention (limit $(left) s)"
+        timeout -s INT -k 30 "$(left)" python3 -m benchmarks.long_attention --out "$OUT" $LONG_ARGS ;;
       tp_cb)
         throughput throughput_peers_cb cb_sync_compiled ;;
       tp_vllm)

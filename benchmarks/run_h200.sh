@@ -20,7 +20,8 @@ for arg in "$@"; do [ "$previous" = --name ] && name=$arg; previous=$arg; done
 case "$stage" in
   tests)
     timeout 400 python -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_lora_kernels.py \
-      tests/test_invariant_kernels.py tests/test_attention_warmup.py -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
+      tests/test_invariant_kernels.py tests/test_attention_warmup.py tests/test_flash_attention.py \
+      -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
   throughput)
     name=${name:-throughput}     # only this run's files come back (a transfer holds a handful of files)
     timeout 590 python -m benchmarks.throughput "$@" 2>&1 | tee "$OUT/$name.log"

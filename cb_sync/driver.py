@@ -63,7 +63,7 @@ class SyncCBDriver:
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
                                   self.dtype, self.device)
         self.backend = invariant if self.config.batch_invariant else select_backend(self.config.attn_backend,
-                                                                                     self.device)
+                                                                                     self.device, self.dtype)
         self.runner = self._runner()
 
     def _runner(self) -> ModelRunner:

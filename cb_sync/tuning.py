@@ -14,12 +14,21 @@ class _Ints:
 
 @dataclass(frozen=True)
 class AttentionTuning(_Ints):
-    partition_size: int = 64          # smallest split-K partition of a decode step (tokens; a decode_block_n multiple)
+    partition_size: int = 64          # smallest split-K partition of a decode step (tokens)
     max_partitions: int = 32          # a decode step splits a context into at most this many partitions
     decode_programs_per_sm: int = 4   # split-K aims at this many (partition, request, kv head) programs per SM
     decode_block_n: int = 64          # keys per decode tile
     prefill_block_m: int = 64         # rows (queries x heads in group) per prefill program
     prefill_block_n: int = 64         # keys per prefill tile
+
+    def __post_init__(self):
+        for name, value in zip(self.__dataclass_fields__, self.ints()):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionTuning.{name} must be a positive int, got {value!r}")
+        for name in ("partition_size", "decode_block_n", "prefill_block_m", "prefill_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):       # Triton tiles: tl.arange and tl.dot sizes
+                raise ValueError(f"AttentionTuning.{name} must be a power of two >= 16, got {value!r}")
 
 
 @dataclass(frozen=True)

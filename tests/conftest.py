@@ -60,8 +60,8 @@ def make_model(arch: str, seed: int = 0, lora: bool = False) -> torch.nn.Module:
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF generate, one prompt at a time, greedy."""
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(input_ids=torch.tensor([prompt]),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -10,6 +10,7 @@ from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import ATTN_IMPLEMENTATION
 from cb_sync.model_state import generation_mode
 from cb_sync.patching import module_list
+from cb_sync.tuning import AttentionTuning
 
 from conftest import VOCAB, StepLog, hf_greedy, make_model, random_prompts
 
@@ -66,6 +67,16 @@ def test_bad_sampling_params(kwargs, match):
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CBConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"partition_size": 0}, "partition_size must be a positive int, got 0"),
+    ({"max_partitions": 2.0}, "max_partitions must be a positive int"),
+    ({"partition_size": 48}, "partition_size must be a power of two >= 16, got 48"),
+    ({"decode_block_n": 8}, "decode_block_n must be a power of two"), ({"prefill_block_m": 24}, "prefill_block_m")])
+def test_bad_attention_tuning(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionTuning(**kwargs)
 
 
 def test_state_restored_after_call_and_after_error():

@@ -16,18 +16,25 @@ from conftest import make_model, random_prompts
 
 def test_flash_backend_on_the_cpu_is_a_value_error_before_any_work():
     model = make_model("qwen3", lora=False)
-    with pytest.raises(ValueError, match="attn_backend='flash' needs a CUDA model"):
+    with pytest.raises(ValueError, match=r"attn_backend='flash' needs a CUDA model in float16 or bfloat16 .* got one "
+                                         r"on cpu in torch.float32"):
         SyncCBDriver(model, CBConfig(attn_backend="flash"))
+
+
+def test_a_float32_model_is_refused_by_the_flash_backend():
+    assert "float16 or bfloat16" in flash_ops.unavailable_reason(torch.device("cuda"), torch.float32)
 
 
 def test_missing_flash_attn_is_named_with_the_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)       # import fails as if not installed
-    reason = flash_ops.unavailable_reason(torch.device("cuda"))
+    reason = flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16)
     assert "flash-attn 4" in reason and "could not be imported" in reason and "cb_sync[flash]" in reason
 
 
 def _flash_ready() -> str | None:
-    return "no CUDA device" if not torch.cuda.is_available() else flash_ops.unavailable_reason(torch.device("cuda"))
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16)
 
 
 needs_flash = pytest.mark.skipif(_flash_ready() is not None, reason=f"flash backend: {_flash_ready()}")
@@ -72,12 +79,11 @@ def _check_against_reference(batch, **kwargs):
 
 
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("num_splits", [1])
 @pytest.mark.parametrize("seq_lens", [[1, 16, 17, 300, 0, 5000], [9000] * 3 + [2]])
 @pytest.mark.gpu
 @needs_flash
-def test_flash_decode_matches_sdpa_paged(seq_lens, num_splits, seed):
-    _check_against_reference(_batch([1] * len(seq_lens), seq_lens, seed=seed), num_splits=num_splits)
+def test_flash_decode_matches_sdpa_paged(seq_lens, seed):
+    _check_against_reference(_batch([1] * len(seq_lens), seq_lens, seed=seed))
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -12,16 +12,23 @@ from benchmarks import long_rollouts
 def test_tiny_run_writes_a_row_per_batch(tmp_path):
     rows = long_rollouts.main(["--tiny", "--out", str(tmp_path)])
     assert [(r["engine"], r["batch"]) for r in rows] == [("cb_sync_compiled", 2), ("cb_sync_compiled", 3)]
-    assert all(r["tok_per_s"] > 0 and r["preemptions"] == 0 and r["new_tokens"] == 40 for r in rows)
+    assert all(r["tok_per_s"] > 0 and r["preemptions"] == r["recomputed_tokens"] == 0 and r["new_tokens"] == 40
+               for r in rows)
     assert json.loads((tmp_path / "long_rollouts.json").read_text())[0]["batch"] == 2
 
 
 def test_a_kv_cap_below_the_batch_preempts_and_loses_no_request(tmp_path):
-    """5 blocks of 16 tokens for 3 requests of 48 tokens (3 blocks each): requests are preempted and recomputed; the
-    engine process checks every completion is whole (it raises otherwise, and the row would carry the error)."""
-    rows = long_rollouts.main(["--tiny", "--engines", "cb_sync", "--max-cache-gib", "0.00004", "--out", str(tmp_path)])
+    """One driver serves a cap that holds the batch (no preemption), then a cap of 5 blocks of 16 tokens (the cache
+    released and allocated again within it), where 3 requests of 48 tokens (3 blocks each) are preempted and
+    recomputed; the engine process checks every completion is whole (it raises otherwise, and the row would carry
+    the error)."""
+    rows = long_rollouts.main(["--tiny", "--engines", "cb_sync", "--max-cache-gib", "1", "0.00004", "--out",
+                               str(tmp_path)])
     assert all("error" not in r for r in rows), rows
-    assert rows[-1]["batch"] == 3 and rows[-1]["preemptions"] > 0
+    assert [(r["max_cache_gib"], r["batch"]) for r in rows] == [(1.0, 2), (1.0, 3), (0.00004, 2), (0.00004, 3)]
+    assert rows[0]["preemptions"] == rows[1]["preemptions"] == 0 and rows[3]["preemptions"] > 0
+    assert all((r["recomputed_tokens"] > 0) == (r["preemptions"] > 0) for r in rows), rows
+    assert "cap 4e-05 GiB" in (tmp_path / "long_rollouts.md").read_text()
 
 
 def _step(path, read_at, context):
@@ -36,6 +43,15 @@ def test_step_times_are_read_to_read_near_each_context():
     steps(_step("replay", 1.0, 4096))
     assert steps.ms_at(1024) == 5.0                 # replays after replays only: 4 ms and 6 ms
     assert steps.ms_at(8192) is None
+
+
+def test_recomputed_tokens_count_what_a_request_feeds_again_below_its_furthest_position():
+    steps, request, other = long_rollouts.ContextSteps(), object(), object()
+    for chunks in ([(request, 0, 10), (other, 0, 4)], [(request, 10, 1), (other, 4, 1)], [(other, 5, 1)],
+                   [(request, 0, 8)], [(request, 8, 5)]):       # preempted at 11, fed again from 0 up to 13
+        steps(SimpleNamespace(path="eager", read_at=0.0, plan=[
+            SimpleNamespace(request=r, start=start, length=length) for r, start, length in chunks]))
+    assert steps.recomputed == 11
 
 
 def test_merge_keeps_measured_rows_and_drops_errors_measured_elsewhere(tmp_path):

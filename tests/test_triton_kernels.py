@@ -94,6 +94,18 @@ def test_decode_split_k(heads, head_dim, small_partitions):
     assert (out[2] == 0).all()
 
 
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_decode_splits_each_context_into_the_grids_partitions(block_n):
+    """Three partitions at most over tables 1,024 tokens wide: a long context splits into parts wider than the
+    smallest (whole key tiles), a short one into fewer parts; contexts at, under and over the tile boundaries."""
+    torch.manual_seed(6)
+    seq_lens = [1000, 1, 0, 257, 513, 999, 64]
+    batch = make_batch([1] * len(seq_lens), seq_lens, 4, 2, head_dim=32, spare_blocks=1)
+    tuning = AttentionTuning(partition_size=32, max_partitions=3, decode_block_n=block_n)
+    assert triton_kernels.decode_partitions(batch["block_tables"].shape[1] * 16, 14, torch.device(DEVICE), tuning) == 3
+    assert (check(batch, tuning=tuning)[2] == 0).all()
+
+
 def test_decode_default_partition_and_block_size_32():
     torch.manual_seed(2)
     check(make_batch([1, 1, 1], [300, 45, 0], block_size=32, spare_blocks=9))

@@ -35,14 +35,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
-def select_backend(name: str, device: torch.device) -> ModuleType:
-    """Resolve "auto" | "sdpa_paged" | "triton" | "flash" to a backend module: auto is Triton on CUDA, else
-    sdpa_paged. "flash" raises ValueError, naming what is missing, where flash-attn 4 cannot run."""
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
+    """Resolve "auto" | "sdpa_paged" | "triton" | "flash" to a backend module for a model on `device` in `dtype`:
+    auto is Triton on CUDA, else sdpa_paged. "flash" raises ValueError, naming what is missing, where flash-attn 4
+    cannot run."""
     if name == "sdpa_paged" or (name == "auto" and device.type != "cuda"):
         return sdpa_paged
     if name == "flash":
         from . import flash_ops
-        reason = flash_ops.unavailable_reason(device)
+        reason = flash_ops.unavailable_reason(device, dtype)
         if reason is not None:
             raise ValueError(reason)
         return flash_ops

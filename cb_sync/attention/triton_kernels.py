@@ -53,7 +53,8 @@ def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
     kv_valid = k_pos < kv_end
     block = tl.load(table_ptr + k_pos // block_size, mask=kv_valid, other=0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    offs = (block * stride_cb + (k_pos % block_size) * stride_cs + kv_head * stride_ch)[:, None] + d[None, :] * stride_cd
+    key_base = block * stride_cb + (k_pos % block_size) * stride_cs + kv_head * stride_ch
+    offs = key_base[:, None] + d[None, :] * stride_cd
     kv_mask = kv_valid[:, None] & (d[None, :] < head_dim)
     k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -78,7 +79,8 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, lo, hi, kv_en
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Unnormalised online-softmax attention (acc, m in log2 units, l) of q's rows over keys [lo, hi) of one
-    request, in tiles of BLOCK_N from lo (keys at or past kv_end are never read)."""
+    request, in tiles of BLOCK_N from lo. A tile is masked at kv_end, not at hi, so hi - lo must be whole tiles or
+    hi = kv_end (keys at or past kv_end are never read)."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -338,7 +340,7 @@ def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         seq_lens, query_start_loc, out, m, l, acc, arrivals,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         num_heads, num_kv_heads, num_partitions, max_context,
-        MIN_PARTITION=triton.cdiv(tuning.partition_size, block_n) * block_n,
+        MIN_PARTITION=tuning.partition_size,
         BLOCK_M=max(16, common["BLOCK_G"]), BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(num_partitions),
         STORE=new_kv is not None, POOLS_BY_OFFSET=pool_offsets is not None, POOL_ALIGN=16 // k_cache.element_size(),
         num_warps=4, **common)

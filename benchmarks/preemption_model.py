@@ -1,0 +1,79 @@
+"""What a KV cap costs a Workload L call, predicted without a model: cb_sync's own Scheduler is replayed step by step
+(every request sampling one token a step, EOS silenced) against a cache of the cap's blocks, with a clock of the
+roofline: a step reads the weights, the adapter and its requests' KV once at the card's copy bandwidth, and a token
+it prefills (a prompt, or one recomputed after preemption) costs PREFILL_S_PER_TOKEN (16,384 tokens of Qwen3-4B +
+LoRA prefill measured 359 ms on the H200, NOTES attempt 10). Rows: the cap, its blocks, steps, preemptions, tokens
+recomputed, predicted seconds and tok/s, and the share of the uncapped prediction. A prediction to check against
+`long_rollouts --max-cache-gib`, not a measurement.
+
+    python -m benchmarks.preemption_model [--batch 64] [--caps 96 48 32 16] [--prompt-len 1024] [--new-tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks.common import (COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, LORA_BYTES, RESULTS, WEIGHT_BYTES, markdown_table,
+                               write_results)
+from cb_sync.cache import BlockAllocator
+from cb_sync.config import SamplingParams
+from cb_sync.request import Request
+from cb_sync.scheduler import Scheduler
+
+PREFILL_S_PER_TOKEN = 0.359 / 16384
+BLOCK_SIZE = 16
+
+
+def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_batch_tokens: int) -> dict:
+    """One call through the Scheduler against `cap_gib` of KV blocks; distinct prompts (no prefix shared)."""
+    num_blocks = int(cap_gib * 2**30) // (KV_BYTES_PER_TOKEN * BLOCK_SIZE)
+    scheduler = Scheduler(BlockAllocator(num_blocks), BLOCK_SIZE, max_batch_tokens, batch, prefix_sharing=False)
+    params = SamplingParams(max_new_tokens=new_tokens, eos_token_id=[])
+    requests = [Request(i, [i] * prompt_len, params, seed=0, eos_ids=frozenset()) for i in range(batch)]
+    for request in requests:
+        scheduler.add(request)
+    steps, seconds, recomputed = 0, 0.0, 0
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        if not plan:
+            raise ValueError(f"a cap of {cap_gib} GiB ({num_blocks} blocks) cannot hold one request")
+        prefilled = sum(chunk.length for chunk in plan if chunk.length > 1)
+        recomputed += sum(max(0, min(c.start + c.length, c.request.num_tokens - 1) - c.start)
+                          for c in plan if c.request.output)
+        context = sum(chunk.start + chunk.length for chunk in plan)
+        seconds += ((WEIGHT_BYTES + LORA_BYTES + KV_BYTES_PER_TOKEN * context) / COPY_BANDWIDTH
+                    + prefilled * PREFILL_S_PER_TOKEN)
+        sampled = [chunk.request for chunk in plan if chunk.samples]
+        scheduler.update(plan, sampled, [0] * len(sampled), [0.0] * len(sampled))
+        steps += 1
+    return {"batch": batch, "cap_gib": cap_gib, "blocks": num_blocks, "steps": steps,
+            "preemptions": sum(r.num_preemptions for r in requests), "recomputed_tokens": recomputed,
+            "seconds": round(seconds, 1), "tok_per_s": round(batch * new_tokens / seconds, 1)}
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--caps", type=float, nargs="+", default=[96, 48, 32, 16], help="KV caps, GiB")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=8192)
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--name", default="preemption_model")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    rows = [replay(args.batch, args.prompt_len, args.new_tokens, cap, args.max_batch_tokens) for cap in args.caps]
+    uncapped = max(rows, key=lambda r: r["tok_per_s"])["tok_per_s"]
+    for row in rows:
+        row["of_best"] = round(row["tok_per_s"] / uncapped, 3)
+    table = markdown_table(["cap GiB", "blocks", "steps", "preemptions", "tokens recomputed", "predicted s",
+                            "predicted tok/s", "of the best cap"],
+                           [[f"{r['cap_gib']:g}", r["blocks"], r["steps"], r["preemptions"],
+                             f"{r['recomputed_tokens']:,}", r["seconds"], r["tok_per_s"], r["of_best"]] for r in rows])
+    write_results(args.name, rows, table, args.out)
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
