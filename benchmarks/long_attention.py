@@ -1,16 +1,22 @@
-"""Decode attention at reasoning lengths against its roofline: one layer's K/V store + attention of a decode step,
-Qwen3-4B's shape (32 query heads, 8 KV heads, head dim 128, bf16, blocks of 16), per batch and context, with the
-block tables as wide as Workload L's decode graphs (`--width-tokens`, 16,384: the next power of two of 9,216
-tokens' blocks). Microseconds per launch from one CUDA graph of `--launches` launches, replayed; the roofline is the
-batch's K and V read once at the card's copy bandwidth (every launch reads the same pools: a batch's KV under the
-50 MB L2, batch 8 at 1k, may be served partly from it); `step_ms` is 36 layers of it.
+"""Attention at reasoning lengths: one layer's K/V store + attention of a step, Qwen3-4B's shape (32 query heads,
+8 KV heads, head dim 128, bf16, blocks of 16), with the block tables as wide as Workload L's decode graphs
+(`--width-tokens`, 16,384: the next power of two of 9,216 tokens' blocks). Microseconds per launch from one CUDA
+graph of `--launches` launches, replayed.
 
-Variants: `triton` (cb_sync's split-K decode kernel, the default tuning), `triton_pps3` / `triton_pps8` /
-`triton_pps16` (split-K aiming at 3 / 8 / 16 programs an SM; 3 keeps batch 8, 32 and 64's grids within one wave of
-4 programs an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, one split: it has no split-KV
-path on sm90; skipped with its reason where it cannot run). Each is checked against sdpa_paged on a small batch first.
+Decode steps, per batch and context: the roofline is the batch's K and V read once at the card's copy bandwidth
+(every launch reads the same pools: a batch's KV under the 50 MB L2, batch 8 at 1k, may be served partly from it);
+`step_ms` is 36 layers of it. Prefill steps (`--prefills`, requests x fresh tokens: 16x1024 is Workload L's prompt
+step at cb_sync's 16,384-token budget, 2x8192 a preempted request's recompute): causal attention's FLOPs (4 x heads x
+head dim a query-key pair) per second; which backend is faster there decides what `auto` may pick for prefill.
+
+Variants: `triton` (cb_sync's kernels, the default tuning), `triton_pps3` / `triton_pps8` / `triton_pps16` (split-K
+aiming at 3 / 8 / 16 programs an SM, decode only; 3 keeps batch 8, 32 and 64's grids within one wave of 4 programs
+an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, one split in decode: it has no split-KV
+path on sm90; skipped with its reason where it cannot run). Each is checked against sdpa_paged on a small decode and
+a small prefill batch first.
 
     python -m benchmarks.long_attention [--batches 8 32 64] [--contexts 1024 4096 8192 16384] [--variants ...]
+        [--prefills 16x1024 2x8192]
 """
 
 from __future__ import annotations
@@ -29,34 +35,61 @@ TUNINGS = {"triton": AttentionTuning(), "triton_pps3": AttentionTuning(decode_pr
            "triton_pps8": AttentionTuning(decode_programs_per_sm=8),
            "triton_pps16": AttentionTuning(decode_programs_per_sm=16)}
 VARIANTS = (*TUNINGS, "flash")
+DECODE_ONLY = ("triton_pps3", "triton_pps8", "triton_pps16")
 
 
-def decode_inputs(batch: int, context: int, width_tokens: int) -> dict:
+def step_inputs(batch: int, q_len: int, context: int, width_tokens: int, device="cuda", dtype=torch.bfloat16,
+                heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM)) -> dict:
     """Random pools holding every request's context, block tables `width_tokens` wide (zero-padded), the step's
-    query and K/V with their slots at each request's last position."""
+    queries and K/V (q_len a request) with their slots at each request's last q_len positions; heads: (query heads,
+    KV heads, head dim)."""
+    num_heads, num_kv_heads, head_dim = heads
     used = -(-context // BLOCK)
     blocks = batch * used
-    k_cache, v_cache = (torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k_cache, v_cache = (torch.randn(blocks, BLOCK, num_kv_heads, head_dim, dtype=dtype, device=device)
                         for _ in range(2))
-    tables = torch.zeros(batch, max(width_tokens // BLOCK, used), dtype=torch.int32, device="cuda")
-    tables[:, :used] = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, used)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    last = seq_lens.long() - 1
-    slots = tables.long().gather(1, (last // BLOCK)[:, None])[:, 0] * BLOCK + last % BLOCK
-    return dict(query=torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
-                key=torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
-                value=torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
-                k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-                query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"), scale=HEAD_DIM ** -0.5)
+    tables = torch.zeros(batch, max(width_tokens // BLOCK, used), dtype=torch.int32, device=device)
+    tables[:, :used] = torch.randperm(blocks, device=device).to(torch.int32).view(batch, used)
+    positions = torch.arange(context - q_len, context, device=device).repeat(batch)
+    owners = torch.arange(batch, device=device).repeat_interleave(q_len)
+    slots = tables.long()[owners, positions // BLOCK] * BLOCK + positions % BLOCK
+    tokens = batch * q_len
+    return dict(query=torch.randn(tokens, num_heads, head_dim, dtype=dtype, device=device),
+                key=torch.randn(tokens, num_kv_heads, head_dim, dtype=dtype, device=device),
+                value=torch.randn(tokens, num_kv_heads, head_dim, dtype=dtype, device=device),
+                k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, block_tables=tables,
+                seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+                query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device=device),
+                scale=head_dim ** -0.5)
 
 
 def step_fn(variant: str, inputs: dict):
-    """The variant's op on the inputs, as a decode graph calls it."""
+    """The variant's op on the inputs, as a step of the driver calls it."""
     if variant == "flash":
         from cb_sync.attention import flash_ops
         return lambda: flash_ops.flash_store_and_attend_op(**inputs)
     tuning = TUNINGS[variant].ints()
     return lambda: triton_ops.store_and_attend_op(**inputs, tuning=tuning)
+
+
+def check(variant: str, q_len: int, batch: int = 4, context: int = 3000, device="cuda", dtype=torch.bfloat16,
+          heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM), tolerance: float = 2e-2) -> None:
+    """The variant against sdpa_paged on a random batch (a decode batch long enough to split, or a prefill chunk
+    after cached context): the pools it leaves and its output."""
+    inputs = step_inputs(batch, q_len, context, 4096, device, dtype, heads)
+    pools = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+    sdpa_paged.store_kv(inputs["key"], inputs["value"], *pools, inputs["slot_mapping"])
+    ref = sdpa_paged.paged_attention(inputs["query"], *pools, inputs["block_tables"], inputs["seq_lens"],
+                                     inputs["query_start_loc"], q_len, context, inputs["scale"])
+    out = step_fn(variant, inputs)()
+    assert torch.equal(inputs["k_cache"], pools[0]) and torch.equal(inputs["v_cache"], pools[1])
+    torch.testing.assert_close(out.float(), ref.float(), atol=tolerance, rtol=tolerance)
+
+
+def prefill_tflops(batch: int, q_len: int, context: int) -> float:
+    """TFLOP of one layer's causal attention: each query attends the keys up to its own position."""
+    pairs = batch * sum(context - q_len + i + 1 for i in range(q_len))
+    return 4 * HEADS * HEAD_DIM * pairs / 1e12
 
 
 def flash_unavailable() -> str | None:
@@ -67,24 +100,21 @@ def flash_unavailable() -> str | None:
     return flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16)
 
 
-def check(variant: str) -> None:
-    """The variant against sdpa_paged on a small random batch (long enough to split)."""
-    inputs = decode_inputs(4, 3000, 4096)
-    pools = inputs["k_cache"].clone(), inputs["v_cache"].clone()
-    sdpa_paged.store_kv(inputs["key"], inputs["value"], *pools, inputs["slot_mapping"])
-    ref = sdpa_paged.paged_attention(inputs["query"], *pools, inputs["block_tables"], inputs["seq_lens"],
-                                     inputs["query_start_loc"], 1, 3000, inputs["scale"])
-    torch.testing.assert_close(step_fn(variant, inputs)().float(), ref.float(), atol=2e-2, rtol=2e-2)
+def launch_us(variant: str, batch: int, q_len: int, context: int, width_tokens: int, launches: int) -> float:
+    return graph_us(step_fn(variant, step_inputs(batch, q_len, context, width_tokens)), launches, 3)
 
 
-def launch_us(variant: str, batch: int, context: int, width_tokens: int, launches: int) -> float:
-    return graph_us(step_fn(variant, decode_inputs(batch, context, width_tokens)), launches, 3)
+def _prefill_case(text: str) -> tuple[int, int]:
+    requests, tokens = text.split("x")
+    return int(requests), int(tokens)
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    parser.add_argument("--prefills", type=_prefill_case, nargs="*", default=[(16, 1024), (2, 8192)],
+                        metavar="REQUESTSxTOKENS", help="prefill steps of fresh prompts (none: decode only)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--width-tokens", type=int, default=16384)
     parser.add_argument("--launches", type=int, default=20)
@@ -96,7 +126,8 @@ def main(argv=None) -> list[dict]:
         reason = flash_unavailable() if variant == "flash" else None
         if reason is None:
             try:
-                check(variant)
+                for q_len in (1, 300):
+                    check(variant, q_len, context=3000 if q_len == 1 else 700)
             except Exception as error:                # a variant that fails its check is reported, not timed
                 reason = f"check against sdpa_paged failed: {error!r}"[:600]
         if reason:
@@ -108,15 +139,27 @@ def main(argv=None) -> list[dict]:
         for context in args.contexts:
             floor_us = 1e6 * batch * context * KV_BYTES_PER_TOKEN / LAYERS / COPY_BANDWIDTH
             for variant in variants:
-                us = min(launch_us(variant, batch, context, args.width_tokens, args.launches) for _ in range(2))
-                rows.append({"variant": variant, "batch": batch, "context": context, "us": round(us, 1),
-                             "floor_us": round(floor_us, 1), "of_floor": round(floor_us / us, 3),
+                us = min(launch_us(variant, batch, 1, context, args.width_tokens, args.launches) for _ in range(2))
+                rows.append({"kind": "decode", "variant": variant, "batch": batch, "context": context,
+                             "us": round(us, 1), "floor_us": round(floor_us, 1), "of_floor": round(floor_us / us, 3),
                              "step_ms": round(LAYERS * us / 1e3, 2), "width_tokens": args.width_tokens})
                 print(rows[-1], flush=True)
-    timed = [r for r in rows if "us" in r]
+    for batch, tokens in args.prefills:
+        for variant in (v for v in variants if v not in DECODE_ONLY):
+            us = min(launch_us(variant, batch, tokens, tokens, args.width_tokens, 3) for _ in range(2))
+            rows.append({"kind": "prefill", "variant": variant, "batch": batch, "context": tokens, "us": round(us, 1),
+                         "tflop_per_s": round(prefill_tflops(batch, tokens, tokens) / us * 1e6, 1),
+                         "step_ms": round(LAYERS * us / 1e3, 2), "width_tokens": args.width_tokens})
+            print(rows[-1], flush=True)
+    decode = [r for r in rows if r.get("kind") == "decode"]
+    prefill = [r for r in rows if r.get("kind") == "prefill"]
     table = markdown_table(["variant", "batch", "context", "us a layer", "floor us", "of floor", "36 layers ms"],
                            [[r["variant"], r["batch"], r["context"], r["us"], r["floor_us"], r["of_floor"],
-                             r["step_ms"]] for r in timed])
+                             r["step_ms"]] for r in decode])
+    if prefill:
+        table += "\nPrefill steps (fresh prompts):\n\n" + markdown_table(
+            ["variant", "requests", "tokens each", "us a layer", "TFLOP/s", "36 layers ms"],
+            [[r["variant"], r["batch"], r["context"], r["us"], r["tflop_per_s"], r["step_ms"]] for r in prefill])
     table += "".join(f"\n{r['variant']}: not run: {r['error']}\n" for r in rows if "error" in r)
     write_results(args.name, rows, table, args.out)
     print(table)
