@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import warnings
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ from .runner.compiled import eager_forward
 from .scheduler import Scheduler
 from .tuning import LoraTuning
 from .validation import build_requests, check_fits
+
+logger = logging.getLogger(__name__)
 
 
 class SyncCBDriver:
@@ -117,7 +120,22 @@ class SyncCBDriver:
             if self.runner.replay is not None:
                 self.runner.replay.begin_call(max(blocks_for(r.max_tokens, cfg.block_size) for r in requests), modules)
             self._run(requests, bar)
+        self._note_preemptions(requests)
         return [GenerationResult.of(r) for r in requests]
+
+    def _note_preemptions(self, requests: list[Request]) -> None:
+        """A warning on the log where the cache was too small for the call: what it needed, what it held."""
+        preemptions = sum(r.num_preemptions for r in requests)
+        if not preemptions:
+            return
+        gib = self.cache.bytes_per_block / 2**30
+        needed = sum(blocks_for(r.max_tokens, self.config.block_size) for r in requests) * gib
+        limit = (f"num_blocks={self.config.num_blocks}" if self.config.num_blocks is not None
+                 else f"max_cache_gib={self.config.max_cache_gib:g}")
+        logger.warning("%d preemptions: the call's %d requests need up to %.3g GiB of KV cache at once, the cache "
+                       "held %.3g GiB (CBConfig %s). A preempted request is recomputed from its prompt and the "
+                       "tokens it had sampled (none lost, time lost): raise the cap where memory allows.",
+                       preemptions, len(requests), needed, self.cache.num_blocks * gib, limit)
 
     def _lora_tuning(self) -> LoraTuning | None:
         """The LoRA kernels' tuning for this call, None where PEFT's own forward runs."""

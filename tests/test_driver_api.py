@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -77,6 +80,24 @@ def test_bad_config(kwargs, match):
 def test_bad_attention_tuning(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AttentionTuning(**kwargs)
+
+
+def test_a_call_that_preempts_says_what_it_needed_on_the_log(caplog):
+    model = make_model("qwen3")
+    prompts, params = random_prompts([30] * 4), SamplingParams(max_new_tokens=40)
+    with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
+        capped = SyncCBDriver(model, CBConfig(block_size=4, num_blocks=24, max_batch_tokens=64))
+        results = capped.generate(prompts, params)
+        assert len(caplog.records) == 1
+        message = caplog.records[0].getMessage()
+        per_block = capped.cache.bytes_per_block / 2**30
+        assert re.match(r"[1-9]\d* preemptions: ", message), message
+        assert f"the call's 4 requests need up to {72 * per_block:.3g} GiB" in message
+        assert f"held {24 * per_block:.3g} GiB (CBConfig num_blocks=24)" in message
+        caplog.clear()
+        roomy = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64)).generate(prompts, params)
+        assert not caplog.records
+    assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
 
 
 def test_state_restored_after_call_and_after_error():
