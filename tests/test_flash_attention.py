@@ -28,7 +28,7 @@ def test_a_float32_model_is_refused_by_the_flash_backend():
 def test_missing_flash_attn_is_named_with_the_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)       # import fails as if not installed
     reason = flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16)
-    assert "flash-attn 4" in reason and "could not be imported" in reason and "cb_sync[flash]" in reason
+    assert "flash-attn 4" in reason and "could not be imported" in reason and "pip install 'flash-attn-4" in reason
 
 
 def _flash_ready() -> str | None:

@@ -18,7 +18,8 @@ import torch
 from . import triton_kernels
 from .metadata import AttnMetadata
 
-INSTALL_HINT = "pip install 'cb_sync[flash]' (flash-attn-4 with nvidia-cutlass-dsl's CUDA 13 libraries)"
+INSTALL_HINT = ("install cb_sync's `flash` extra: pip install 'flash-attn-4>=4.0.0b36' "
+                "'nvidia-cutlass-dsl[cu13]>=4.8' (FlashAttention 4 with nvidia-cutlass-dsl's CUDA 13 libraries)")
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
