@@ -14,9 +14,9 @@ the floor (weights + adapter + the batch's KV read once a step, at the card's co
 cb_sync the KV cache it allocated, the preemptions it made and the tokens they had it recompute (`--max-cache-gib`
 below the batch's need forces them; several caps: a row for each cap and batch, one driver) and the median time of
 a replayed decode step at contexts of 1k / 4k / 8k tokens, and 16k where prompt + new tokens reach it (steps within
-64 tokens of each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves. `hf_generate` and
-`hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled by `generate`,
-its first call timed apart), greedy, one timed call a batch.
+64 tokens of each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves.
+`hf_generate` and `hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled
+by `generate`, its first call timed apart), greedy, one timed call a batch.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
 from .tuning import KernelTuning
 
 ATTN_BACKENDS = ("auto", "sdpa_paged", "triton", "flash")
+MIN_TEMPERATURE = 1e-6        # logits / temperature stay finite in float32
 
 
 @dataclass
@@ -52,18 +54,20 @@ class CBConfig:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        _positive("block_size", self.block_size)
-        if self.num_blocks is not None:
-            _positive("num_blocks", self.num_blocks)
-        _positive("max_batch_tokens", self.max_batch_tokens)
-        _positive("max_batch_size", self.max_batch_size)
+        counts = ["block_size", "max_batch_tokens", "max_batch_size"] + ([] if self.num_blocks is None else ["num_blocks"])
+        for name in counts:
+            setattr(self, name, _positive(name, getattr(self, name)))
+        for name in ("cuda_graphs", "compile", "lora_kernels", "prefix_sharing", "batch_invariant"):
+            _flag(name, getattr(self, name))
+        if self.progress_bar is not None:
+            _flag("progress_bar", self.progress_bar)
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         if self.batch_invariant and (self.compile or self.attn_backend != "auto"):
             raise ValueError("batch_invariant=True runs its own attention, uncompiled: it needs compile=False and "
                              f"attn_backend='auto', got compile={self.compile}, attn_backend={self.attn_backend!r}")
-        if not self.max_cache_gib > 0:
-            raise ValueError(f"max_cache_gib must be > 0, got {self.max_cache_gib!r}")
+        if not (_real(self.max_cache_gib) and math.isfinite(self.max_cache_gib) and self.max_cache_gib > 0):
+            raise ValueError(f"max_cache_gib must be a finite number > 0, got {self.max_cache_gib!r}")
 
 
 @dataclass
@@ -89,17 +93,21 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self):
-        _positive("max_new_tokens", self.max_new_tokens)
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 0):
+        self.max_new_tokens = _positive("max_new_tokens", self.max_new_tokens)
+        _flag("do_sample", self.do_sample)
+        _flag("logprobs", self.logprobs)
+        if not (_real(self.temperature) and MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a number >= {MIN_TEMPERATURE} (do_sample=False for greedy), got "
+                             f"{self.temperature!r}")
+        if not (_integer(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1):
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+        if not (_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (_real(self.min_p) and 0 <= self.min_p < 1):
+            raise ValueError(f"min_p must be a number in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and not (_integer(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        self.top_k, self.seed = int(self.top_k), None if self.seed is None else int(self.seed)
         if self.eos_token_id is not None:
             self.eos_token_id = _token_ids("eos_token_id", self.eos_token_id)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, allow_single=False)
@@ -124,6 +132,22 @@ def _token_ids(name: str, ids, allow_single: bool = True):
     return int(values[0]) if single else [int(t) for t in values]
 
 
-def _positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+def _integer(value) -> bool:
+    """An int (numpy's included), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def _real(value) -> bool:
+    """A real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def _positive(name: str, value) -> int:
+    if not _integer(value) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")

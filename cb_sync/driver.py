@@ -60,7 +60,6 @@ class SyncCBDriver:
         text_config = base.config.get_text_config()
         embeddings = base.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
-        self.vocab_size = base.get_output_embeddings().weight.shape[0]
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
@@ -102,14 +101,16 @@ class SyncCBDriver:
         seed: each request without a seed of its own derives a distinct one from it: the call is reproducible and
             the G copies of a GRPO prompt differ. None draws them from torch's global RNG."""
         base = base_model(self.model)
-        requests = build_requests(prompts, params, seed, self.vocab_size, base.generation_config)
+        vocab_size = base.get_output_embeddings().weight.shape[0]       # read at every call: embeddings may resize
+        requests = build_requests(prompts, params, seed, vocab_size, base.generation_config)
         if not requests:
             return []
         self._follow_model()
         cfg = self.config
         capacity = self._capacity_blocks()
         check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity)
-        num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_tokens for r in requests], cfg.block_size, capacity)
+        num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_positions for r in requests], cfg.block_size,
+                                                          capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
         lora_tuning = self._lora_tuning()
         with generation_mode(self.model) as modules, lora_kernels(self.model, lora_tuning is not None, modules,
@@ -118,7 +119,8 @@ class SyncCBDriver:
                 disable=not (sys.stderr.isatty() if show is None else show)) as bar:
             self.cache.ensure(num_blocks)
             if self.runner.replay is not None:
-                self.runner.replay.begin_call(max(blocks_for(r.max_tokens, cfg.block_size) for r in requests), modules)
+                self.runner.replay.begin_call(max(blocks_for(r.max_positions, cfg.block_size) for r in requests),
+                                              modules)
             self._run(requests, bar)
         self._note_preemptions(requests)
         return [GenerationResult.of(r) for r in requests]
@@ -129,7 +131,7 @@ class SyncCBDriver:
         if not preemptions:
             return
         gib = self.cache.bytes_per_block / 2**30
-        needed = sum(blocks_for(r.max_tokens, self.config.block_size) for r in requests) * gib
+        needed = sum(blocks_for(r.max_positions, self.config.block_size) for r in requests) * gib
         limit = (f"num_blocks={self.config.num_blocks}" if self.config.num_blocks is not None
                  else f"max_cache_gib={self.config.max_cache_gib:g}")
         logger.warning("%d preemptions: the call's %d requests need up to %.3g GiB of KV cache at once, the cache "

@@ -36,8 +36,9 @@ class Request:
         return len(self.prompt) + len(self.output)
 
     @property
-    def max_tokens(self) -> int:
-        return len(self.prompt) + self.params.max_new_tokens
+    def max_positions(self) -> int:
+        """The most positions it feeds, and so holds in the KV cache: its last token is never fed back."""
+        return len(self.prompt) + self.params.max_new_tokens - 1
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output."""

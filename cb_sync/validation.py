@@ -28,15 +28,22 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
         raise ValueError(f"got {len(params)} SamplingParams for {len(rows)} prompts")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63):
         raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
-    unseeded = sum(isinstance(p, SamplingParams) and p.seed is None for p in params)
-    generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-    seeds = iter(torch.randint(0, 2**62, (unseeded,), generator=generator).tolist())
-    default_eos = generation_config.eos_token_id if generation_config is not None else None
-    requests = []
-    for index, (prompt, p) in enumerate(zip(rows, params)):
+    checked = set()
+    for index, p in enumerate(params):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"request {index}: params must be SamplingParams, got {type(p).__name__}")
-        tokens = _check_prompt(index, prompt, vocab_size)
+        if id(p) not in checked:                      # again: a dataclass may have been changed since it was built
+            checked.add(id(p))
+            try:
+                p.__post_init__()
+            except ValueError as error:
+                raise ValueError(f"request {index}: {error}") from None
+    prompts = [_check_prompt(index, prompt, vocab_size) for index, prompt in enumerate(rows)]
+    generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+    seeds = iter(torch.randint(0, 2**62, (sum(p.seed is None for p in params),), generator=generator).tolist())
+    default_eos = generation_config.eos_token_id if generation_config is not None else None
+    requests = []
+    for index, (tokens, p) in enumerate(zip(prompts, params)):
         eos = p.eos_token_id if p.eos_token_id is not None else default_eos
         eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         requests.append(Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids))
@@ -49,14 +56,27 @@ def _check_prompt(index: int, prompt, vocab_size: int) -> list[int]:
         raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
     if len(tokens) == 0:
         raise ValueError(f"request {index}: empty prompt")
+    ids = []
     for position, token in enumerate(tokens):
-        if type(token) is not int and (isinstance(token, bool) or not isinstance(token, numbers.Integral)):
+        value = token if type(token) is int else _integer(token)
+        if value is None:
             raise ValueError(f"request {index}: token {token!r} at position {position} must be an int, "
                              f"got {type(token).__name__}")
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"request {index}: token {int(token)} at position {position} is not an id in "
+        if not 0 <= value < vocab_size:
+            raise ValueError(f"request {index}: token {value} at position {position} is not an id in "
                              f"[0, {vocab_size})")
-    return [int(token) for token in tokens]
+        ids.append(value)
+    return ids
+
+
+def _integer(token) -> int | None:
+    """A numpy or torch integer (a 0-d integer tensor included) as an int; None for anything else (bools too)."""
+    if isinstance(token, torch.Tensor):
+        integral = token.ndim == 0 and not token.is_floating_point() and not token.is_complex()
+        return int(token) if integral and token.dtype != torch.bool else None
+    if isinstance(token, numbers.Integral) and not isinstance(token, bool) and type(token).__name__ != "bool_":
+        return int(token)
+    return None
 
 
 def check_fits(requests: list[Request], text_config, block_size: int, capacity: int) -> None:
@@ -68,13 +88,13 @@ def check_fits(requests: list[Request], text_config, block_size: int, capacity: 
     for request in requests:
         prefix = (f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
                   f"{request.params.max_new_tokens}")
-        if learned is not None and request.max_tokens - 1 > learned:
+        if learned is not None and request.max_positions > learned:
             raise ValueError(f"{prefix} exceeds the model's {learned} learned positions")
-        if rotary is not None and request.max_tokens - 1 > rotary:
+        if rotary is not None and request.max_positions > rotary:
             warnings.warn(f"generating past the model's max_position_embeddings ({rotary}): positions beyond it were "
                           "not trained, the output may degrade", stacklevel=3)
             rotary = None
-        needed = blocks_for(request.max_tokens, block_size)
+        needed = blocks_for(request.max_positions, block_size)
         if needed > capacity:
             raise ValueError(f"{prefix} needs {needed} KV blocks of {block_size} tokens, but the cache "
                              f"holds at most {capacity}")

@@ -61,7 +61,8 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     """HF generate, one prompt at a time, greedy."""
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]),
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -254,7 +254,8 @@ def test_own_process_rows_are_merged(tmp_path, monkeypatch):
         "trl_vllm": f"""
             import json
             json.dump({{"engine": "trl_vllm", "per_step": {steps!r}, "build_s": 80.0,
-                       "weight_sync": {{"reaches": True}}}}, open({str(tmp_path / 'grpo_trl_vllm.row.json')!r}, "w"))""",
+                       "weight_sync": {{"reaches": True}}}},
+                      open({str(tmp_path / 'grpo_trl_vllm.row.json')!r}, "w"))""",
         "unsloth": f"""
             import json, sys
             json.dump({{"backend": "unsloth", "build_s": 20.0, "steps": {steps!r}}},

@@ -190,6 +190,28 @@ def test_adapter_switch_changes_fingerprint():
     assert model_fingerprint(module_list(model)) == before
 
 
+def test_a_new_lora_scaling_or_buffer_drops_the_graphs():
+    """A graph holds the LoRA scaling as a constant and reads buffers (rotary frequencies) at fixed addresses: a
+    rescaled adapter or a buffer given new storage is captured again, and the tokens follow the model."""
+    from peft.helpers import rescale_adapter_scale
+    model = make_model("llama", lora=True)
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=4, block_size=8), static_decode=True)
+    prompts, params = random_prompts([6, 9]), SamplingParams(max_new_tokens=4)
+    driver.generate(prompts, params)
+    graphs = driver.runner.replay.graphs
+    captured = dict(graphs.graphs)
+    with rescale_adapter_scale(model, 0.0):                # LoRA off: the base model's tokens
+        result = driver.generate(prompts, params)
+        assert captured and all(graphs.graphs[k] is not captured[k] for k in graphs.graphs if k in captured)
+    with model.disable_adapter():
+        assert [r.token_ids for r in result] == [hf_greedy(model, p, 4) for p in prompts]
+    captured = dict(graphs.graphs)
+    rotary = model.get_base_model().model.rotary_emb
+    rotary.register_buffer("inv_freq", rotary.inv_freq.clone(), persistent=False)
+    driver.generate(prompts, params)
+    assert all(graphs.graphs[k] is not captured[k] for k in graphs.graphs if k in captured)
+
+
 class UncapturedSteps(list):
     """A driver observer: for every step run uncaptured, (its chunks as (length, samples, is a decode row), whether
     it ran through the compiled function)."""

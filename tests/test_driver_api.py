@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -42,10 +43,13 @@ def test_bad_prompts_raise_before_any_work(model, prompts, match):
 
 
 def test_request_that_cannot_fit_the_cache_raises(model):
+    """A request feeds prompt + max_new_tokens - 1 positions: 15 + 7 need 6 blocks of 4, 15 + 6 fill 5 exactly."""
     driver = SyncCBDriver(model, CBConfig(block_size=4, num_blocks=5))
-    with pytest.raises(ValueError, match=r"request 1: prompt of 15 tokens plus max_new_tokens=6 needs 6 KV blocks"):
-        driver.generate(random_prompts([3, 15]), SamplingParams(max_new_tokens=6))
-    assert driver.generate(random_prompts([3]), SamplingParams(max_new_tokens=6))[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"request 1: prompt of 15 tokens plus max_new_tokens=7 needs 6 KV blocks"):
+        driver.generate(random_prompts([3, 15]), SamplingParams(max_new_tokens=7))
+    prompt = random_prompts([15])[0]
+    result = driver.generate([prompt], SamplingParams(max_new_tokens=6))[0]
+    assert result.finish_reason == "length" and result.token_ids == hf_greedy(model, prompt, 6)
 
 
 def test_params_list_must_match_prompts(model):
@@ -58,7 +62,10 @@ def test_params_list_must_match_prompts(model):
     ({"top_k": -1}, "top_k"), ({"min_p": 1.0}, "min_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"seed": -3}, "seed"), ({"eos_token_id": [1, -2]}, "eos_token_id"), ({"stop_token_ids": ["a"]}, "stop"),
     ({"stop_token_ids": None}, "stop_token_ids"), ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": True}, "top_k"),
-    ({"eos_token_id": True}, "eos_token_id")])
+    ({"eos_token_id": True}, "eos_token_id"), ({"temperature": 1e-50}, "temperature must be a number >= 1e-06"),
+    ({"temperature": True}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"do_sample": "no"}, "do_sample must be True or False, got 'no'"),
+    ({"logprobs": 1}, "logprobs"), ({"seed": True}, "seed")])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -66,10 +73,21 @@ def test_bad_sampling_params(kwargs, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"block_size": 0}, "block_size"), ({"num_blocks": -1}, "num_blocks"), ({"attn_backend": "x"}, "attn_backend"),
-    ({"max_batch_tokens": 1.5}, "max_batch_tokens"), ({"max_cache_gib": 0}, "max_cache_gib")])
+    ({"max_batch_tokens": 1.5}, "max_batch_tokens"), ({"max_cache_gib": 0}, "max_cache_gib"),
+    ({"max_cache_gib": float("inf")}, "max_cache_gib must be a finite number > 0, got inf"),
+    ({"max_cache_gib": "16"}, "max_cache_gib"), ({"cuda_graphs": "yes"}, "cuda_graphs must be True or False"),
+    ({"progress_bar": 0}, "progress_bar")])
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CBConfig(**kwargs)
+
+
+def test_numpy_numbers_are_taken_as_plain_ones():
+    params = SamplingParams(max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(4),
+                            seed=np.uint32(7), do_sample=True)
+    assert (params.max_new_tokens, params.top_k, params.seed) == (3, 4, 7)
+    assert all(type(v) is int for v in (params.max_new_tokens, params.top_k, params.seed))
+    assert CBConfig(max_batch_size=np.int64(8), max_cache_gib=np.float64(2.0)).max_batch_size == 8
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -106,15 +106,19 @@ def _lora_layer():
     return model, model.base_model.model[0]
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(autocast, monkeypatch):
+@pytest.mark.parametrize("base", ["in_the_kernel", "autocast", "hooked"])
+def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(base, monkeypatch):
     """With gradients the fixed tiling runs a differentiable op: its outputs equal the no-grad kernel path's bit for
     bit (the generator's), its gradients for x, A, B and (trained too here) the base weight and bias match PEFT's
-    autograd."""
+    autograd. A base layer the kernel does not compute (under autocast to another dtype, or with a forward hook) runs
+    its own forward on both sides."""
     monkeypatch.setattr(fast_forward, "_invariant_kernel_serves", lambda device: True)
     tuning = invariant_tuning(True, LoraTuning(), torch.device(DEVICE))
     model, layer = _lora_layer()
     layer.base_layer.requires_grad_(True)
+    autocast = base == "autocast"
+    if base == "hooked":
+        layer.base_layer.register_forward_hook(lambda module, inputs, out: out * 2 - 1)
     params = [*layer.lora_A.parameters(), *layer.lora_B.parameters(), *layer.base_layer.parameters()]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 19, 96, generator=gen).to(DEVICE)

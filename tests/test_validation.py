@@ -56,10 +56,35 @@ def test_numpy_and_torch_token_ids_are_accepted(model):
     expected = [r.token_ids for r in driver.generate(prompts, SamplingParams(max_new_tokens=4))]
     array = np.array(prompts)                       # what tokenizer(..., return_tensors="np")["input_ids"] gives
     for given in (array, array.astype(np.int32), [[np.int64(t) for t in p] for p in prompts], list(array),
-                  torch.tensor(prompts), list(torch.tensor(prompts))):
+                  torch.tensor(prompts), list(torch.tensor(prompts)), [[torch.tensor(t) for t in p] for p in prompts]):
         results = driver.generate(given, SamplingParams(max_new_tokens=4))
         assert [r.token_ids for r in results] == expected
         assert all(type(t) is int for r in results for t in r.prompt_ids)
+
+
+def test_params_changed_after_they_were_built_are_checked_again(model):
+    params = SamplingParams(max_new_tokens=4)
+    params.max_new_tokens = 0
+    with pytest.raises(ValueError, match="request 1: max_new_tokens must be a positive int, got 0"):
+        no_work_driver(model).generate(random_prompts([3, 4]), [SamplingParams(max_new_tokens=2), params])
+
+
+def test_a_call_that_fails_its_checks_leaves_the_global_rng_alone(model):
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="request 1: empty prompt"):
+        no_work_driver(model).generate([[1, 2], []], SamplingParams(max_new_tokens=2))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_token_ids_are_checked_against_the_vocabulary_of_the_call():
+    model = make_model("qwen3")
+    driver = SyncCBDriver(model)
+    driver.generate([[1, 2]], SamplingParams(max_new_tokens=1))
+    model.resize_token_embeddings(VOCAB + 8)
+    assert driver.generate([[VOCAB + 7, 2]], SamplingParams(max_new_tokens=1))[0].finish_reason == "length"
+    model.resize_token_embeddings(VOCAB - 8)
+    with pytest.raises(ValueError, match=rf"token {VOCAB - 1} at position 0 is not an id in \[0, {VOCAB - 8}\)"):
+        driver.generate([[VOCAB - 1]], SamplingParams(max_new_tokens=1))
 
 
 def gpt2(n_positions: int):

@@ -35,7 +35,7 @@ class BlockAllocator:
 
     def free(self, block: int) -> None:
         if self._refs[block] <= 0:
-            raise RuntimeError(f"block {block} freed twice")
+            raise RuntimeError(f"block {block} is not allocated (freed twice?)")
         self._refs[block] -= 1
         if self._refs[block] == 0:
             key = self._key_of.pop(block, None)

@@ -31,13 +31,15 @@ def is_pure_decode(plan) -> bool:
 
 
 def model_fingerprint(modules: list[torch.nn.Module]) -> tuple:
-    """What a captured graph bakes in about a model's modules: parameter storages and dtypes, adapter state."""
-    params = tuple((p.data_ptr(), p.dtype) for m in modules for p in m._parameters.values() if p is not None)
+    """What a captured graph bakes in about a model's modules: parameter and buffer storages and dtypes, adapter state
+    (active, merged, disabled adapters and their scalings, which a graph holds as constants)."""
+    tensors = tuple((t.data_ptr(), t.dtype) for m in modules
+                    for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
     # PEFT's tuner layers, told by a class attribute (no __getattr__ miss)
     tuners = [(i, m) for i, m in enumerate(modules) if hasattr(type(m), "merged_adapters")]
     adapters = tuple((i, repr(getattr(m, "active_adapters", None)), repr(m.merged_adapters),
-                      getattr(m, "disable_adapters", None)) for i, m in tuners)
-    return params, adapters
+                      getattr(m, "disable_adapters", None), repr(getattr(m, "scaling", None))) for i, m in tuners)
+    return tensors, adapters
 
 
 class DecodeGraphs:

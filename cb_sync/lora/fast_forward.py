@@ -30,8 +30,9 @@ KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within re
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # HF names of projections that
-# read one tensor, called in a row by the attention and MLP forwards of Llama, Qwen, Mistral, Gemma and the like
+# HF names of projections that read one tensor, called in a row by the attention and MLP forwards of Llama, Qwen,
+# Mistral, Gemma and the like
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _version(x: torch.Tensor):
@@ -153,7 +154,7 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
         base = module.base_layer
         if tuning.fixed_tiling and _wants_grad(x, *adapter[:2], base.weight, base.bias):
             # a batch-invariant trainer's forward: this projection alone, differentiable
-            return lora_linear(x, base.weight, base.bias, *adapter, _base_fusable([base], x), ints)
+            return lora_linear(x, base, *adapter, _base_fusable([base], x), ints)
         kept = group.take(index, x, adapter)
         if kept is not None:
             return kept
@@ -205,11 +206,11 @@ def lora_kernels(model: torch.nn.Module, enabled: bool = True, modules: list | N
                             lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:], tuning))
 
 
-def kernel_row_limit(model: torch.nn.Module, modules: list | None = None) -> int:
+def kernel_row_limit(model: torch.nn.Module) -> int:
     """The most rows a compiled step may feed the kernel: within its int32 offsets for the widest Linear layer
     (the output embeddings left out: they see the kept rows only)."""
     output = base_model(model).get_output_embeddings()
     head = {id(m) for m in output.modules()} if output is not None else set()
-    widest = max((max(m.in_features, m.out_features) for m in (module_list(model) if modules is None else modules)
+    widest = max((max(m.in_features, m.out_features) for m in module_list(model)
                   if isinstance(m, torch.nn.Linear) and id(m) not in head), default=1)
     return KERNEL_MAX_ELEMENTS // widest

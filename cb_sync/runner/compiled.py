@@ -14,8 +14,9 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from ..attention import AttnMetadata
 from ..patching import base_model
 
-COMPILE_OPTIONS = {"combo_kernels": True}   # independent elementwise kernels (the q and k norms and rotary
-# embeddings, ...) in one launch: measured faster on the 4B shape's decode step
+# independent elementwise kernels (the q and k norms and rotary embeddings, ...) in one launch: measured faster on
+# the 4B shape's decode step
+COMPILE_OPTIONS = {"combo_kernels": True}
 
 
 def model_logits(model, inputs: dict, positions, meta: AttnMetadata, keep: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,9 @@ def _compiled_model_logits():
 class CompiledForward:
     """`model_logits` of a model, compiled. Every count (tokens, requests, rows kept, cache blocks) is a dynamic
     dimension of its own, so one compile serves every bucket, cache size and step; a count of one would be
-    specialised, so callers pass at least two requests and rows kept, and run steps of over max_tokens eagerly."""
+    specialised, so callers pass at least two requests and rows kept, and run steps of over max_tokens eagerly. The
+    block table's width is static: callers pad tables to the replay's width, and a call that widens it compiles
+    again."""
 
     def __init__(self, model: torch.nn.Module, max_tokens: int):
         self.model = model

@@ -13,7 +13,8 @@ from ..request import Request
 from ..sampling import SAMPLING_COLUMNS, SamplerKind, SamplingBatch, sampling_columns
 
 ALIGN = 16     # bytes: every field starts where vectorised loads may assume alignment
-_ROW_FIELDS = ("input_ids", "positions", "slots", "seq_lens", "query_start", "keep")
+_TOKEN_FIELDS = ("input_ids", "positions", "slots")          # one entry a token of the step
+_ROW_FIELDS = (*_TOKEN_FIELDS, "seq_lens", "query_start", "keep")
 
 
 @dataclass(slots=True)
@@ -67,7 +68,7 @@ class StepBuffers:
 
     def __init__(self, tokens: int, requests: int, width: int, kept: int, sampled: int, device: torch.device,
                  mirrors: int = 1):
-        shapes = [(name, torch.int64, (tokens,)) for name in _ROW_FIELDS[:3]]
+        shapes = [(name, torch.int64, (tokens,)) for name in _TOKEN_FIELDS]
         shapes += [("seq_lens", torch.int32, (requests,)), ("query_start", torch.int32, (requests + 1,)),
                    ("tables", torch.int32, (requests, width)), ("keep", torch.int64, (kept,))]
         shapes += [("sampling." + name, dtype, (sampled,)) for name, dtype in SAMPLING_COLUMNS.items()]
@@ -75,9 +76,9 @@ class StepBuffers:
         for _, dtype, shape in shapes:
             offsets.append(size)
             size += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
-        pinned, host = mirrors > 1 and device.type == "cuda", torch.zeros if mirrors > 1 else torch.empty
+        pinned, allocate = mirrors > 1 and device.type == "cuda", torch.zeros if mirrors > 1 else torch.empty
         self.device_bytes = torch.empty(size, dtype=torch.uint8, device=device)
-        self.host_bytes = [host(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(mirrors)]
+        self.host_bytes = [allocate(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(mirrors)]
         self.views, self.hosts = {}, [{} for _ in range(mirrors)]
         for (name, dtype, shape), offset in zip(shapes, offsets):
             span = slice(offset, offset + math.prod(shape) * dtype.itemsize)

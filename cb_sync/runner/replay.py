@@ -14,8 +14,9 @@ from .output import StepOutput
 
 
 class DecodeReplay:
-    """Static buffers at the largest bucket, the step a graph records (`decode_step`), captured on first use of a
-    (bucket, sampler kind); `run` launches a plan's replay. forward: eager_forward or a CompiledForward."""
+    """Static buffers at the largest bucket, the step a graph records (`decode_step`), captured for every bucket of a
+    sampler kind at once, on that kind's first pure-decode step; `run` launches a plan's replay. forward:
+    eager_forward or a CompiledForward."""
 
     def __init__(self, forward, cache, backend, tuning, buckets: list[int]):
         self.forward = forward

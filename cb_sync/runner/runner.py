@@ -32,6 +32,9 @@ class ModelRunner:
     compiled: CompiledForward | None = None
     observer: Callable[[StepOutput], None] | None = None
 
+    def __post_init__(self):
+        assert self.compiled is None or self.replay is not None, "a compiled forward needs the decode replay's width"
+
     def execute(self, plan, after: StepOutput | None = None) -> StepOutput:
         """Launch the plan. after: the step just launched, not read yet, that the plan continues (`plan_ahead`: the
         same requests one position on); its output must keep its tokens on the device, where this step takes them."""

@@ -26,9 +26,10 @@ class ScheduledChunk:
 @dataclass(eq=False)
 class Scheduler:
     """Admits requests in arrival order and plans each step within max_batch_tokens and the free KV blocks. Running
-    requests are served oldest first. When blocks run out, the newest running request is preempted: its blocks are freed
-    and it returns to the head of the queue to be recomputed later (its sampled tokens are kept, and sampling is keyed
-    by position, so the result does not change)."""
+    requests are served in the order they were admitted. When blocks run out, the last admitted running request is
+    preempted: its blocks are freed and it returns to the head of the queue to be recomputed later (admitted again, it
+    is the last admitted: the next to be preempted). Its sampled tokens are kept and sampling is keyed by position, so
+    nothing is lost; its recomputed KV is bit-identical to the first only with batch_invariant=True."""
 
     allocator: BlockAllocator
     block_size: int
@@ -45,6 +46,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
+        """The next step's chunks: every running request's next tokens first (decodes, or the rest of a prompt),
+        preempting from the last admitted where blocks run out; then waiting requests, in order, while budget, blocks
+        and max_batch_size allow, but none in a step that preempted: the blocks it freed are for the running
+        requests' next tokens, and the preempted request, now at the head of the queue, would take them back at once."""
         budget = self.max_batch_tokens
         plan: list[ScheduledChunk] = []
         preempted = False
