@@ -76,11 +76,13 @@ class SyncCBDriver:
             self.device.type == "cuda" and self.backend is not sdpa_paged)
         if cfg.cuda_graphs and static:
             compiled = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
-            # compiled, a bucket of one would be specialised into a second compile: one request pads to two rows
+            # A compiled step specialises a count of one into a compile of its own, so one request is padded to two
+            # rows and the bucket of one is dropped, unless it is the only bucket (max_batch_size=1): then only the
+            # replayed decode step is compiled, and the other steps run eagerly.
             buckets = [b for b in decode_buckets(cfg.max_batch_size) if not compiled or b > 1
                        or b == cfg.max_batch_size]
             replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backend, tuning, buckets)
-            if buckets[0] == 1:            # its counts of one specialised: the other steps would compile again
+            if buckets[0] == 1:
                 compiled = None
         return ModelRunner(self.model, self.cache, self.backend, tuning, replay, compiled, self.observer)
 
@@ -113,10 +115,13 @@ class SyncCBDriver:
                                                           capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
         lora_tuning = self._lora_tuning()
-        with generation_mode(self.model) as modules, lora_kernels(self.model, lora_tuning is not None, modules,
-                                                                   lora_tuning or cfg.tuning.lora), self._ops(), tqdm(
-                total=sum(r.params.max_new_tokens for r in requests), unit="tok", desc="cb_sync",
-                disable=not (sys.stderr.isatty() if show is None else show)) as bar:
+        with contextlib.ExitStack() as call:
+            modules = call.enter_context(generation_mode(self.model))
+            call.enter_context(lora_kernels(self.model, lora_tuning is not None, modules,
+                                            lora_tuning or cfg.tuning.lora))
+            call.enter_context(self._ops())
+            bar = call.enter_context(tqdm(total=sum(r.params.max_new_tokens for r in requests), unit="tok",
+                                          desc="cb_sync", disable=not (sys.stderr.isatty() if show is None else show)))
             self.cache.ensure(num_blocks)
             if self.runner.replay is not None:
                 self.runner.replay.begin_call(max(blocks_for(r.max_positions, cfg.block_size) for r in requests),
