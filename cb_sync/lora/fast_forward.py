@@ -18,6 +18,7 @@ to guard).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,24 @@ def _version(x: torch.Tensor):
     return None if torch.compiler.is_compiling() or x.is_inference() else x._version
 
 
+class KernelAdapter(NamedTuple):
+    """What the kernel needs of a layer's one active adapter (PEFT's lora_A and lora_B weights)."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    compute_dtype: torch.dtype      # the A and B products' dtype: the weights', or autocast's
+
+
+class _Kept(NamedTuple):
+    """A member's output computed ahead, with the input and adapter it was computed from."""
+
+    input: torch.Tensor
+    version: int | None
+    output: torch.Tensor
+    adapter: KernelAdapter
+
+
 class _SharedInput:
     """Projections that read one input. The first one called computes every member's output with one kernel pair
     and keeps the others' outputs, each with the adapter it used; a member called next on that same, unmodified
@@ -48,18 +67,18 @@ class _SharedInput:
 
     def __init__(self, modules: list):
         self.modules = modules
-        self.kept = {}       # member index -> (input, its version, output, adapter); emptied as members take
+        self.kept: dict[int, _Kept] = {}       # member index -> its output computed ahead; emptied as members take
 
-    def take(self, index: int, x: torch.Tensor, adapter: tuple):
+    def take(self, index: int, x: torch.Tensor, adapter: KernelAdapter):
         kept = self.kept.pop(index, None)
-        if kept is None or kept[0] is not x or kept[1] != _version(x):
+        if kept is None or kept.input is not x or kept.version != _version(x):
             return None
-        out, (lora_a, lora_b, scaling, compute) = kept[2], kept[3]
-        same = lora_a is adapter[0] and lora_b is adapter[1] and scaling == adapter[2] and compute == adapter[3]
-        return out if same else None
+        same = (kept.adapter.lora_a is adapter.lora_a and kept.adapter.lora_b is adapter.lora_b
+                and kept.adapter.scaling == adapter.scaling and kept.adapter.compute_dtype == adapter.compute_dtype)
+        return kept.output if same else None
 
     def keep(self, x: torch.Tensor, outputs: dict, adapters: dict):
-        self.kept = {i: (x, _version(x), out, adapters[i]) for i, out in outputs.items()}
+        self.kept = {i: _Kept(x, _version(x), out, adapters[i]) for i, out in outputs.items()}
 
 
 def _lora_groups(modules: list) -> dict:
@@ -89,8 +108,8 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "_hf_hook", None) or module._forward_hooks or module._forward_pre_hooks)
 
 
-def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning):
-    """(A, B, scaling, compute dtype) of the one active adapter when the kernel computes PEFT's result, else None.
+def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning) -> KernelAdapter | None:
+    """The one active adapter when the kernel computes PEFT's result, else None.
 
     Under autocast PEFT's A and B products run in the autocast dtype, so the kernel rounds to it.
     """
@@ -118,7 +137,7 @@ def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning):
         return None
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weights[0].dtype
-    return weights[0], weights[1], module.scaling[name], compute
+    return KernelAdapter(weights[0], weights[1], module.scaling[name], compute)
 
 
 def _wants_grad(*tensors) -> bool:
@@ -152,31 +171,32 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
         base = module.base_layer
-        if tuning.fixed_tiling and _wants_grad(x, *adapter[:2], base.weight, base.bias):
+        if tuning.fixed_tiling and _wants_grad(x, adapter.lora_a, adapter.lora_b, base.weight, base.bias):
             # a batch-invariant trainer's forward: this projection alone, differentiable
             return lora_linear(x, base, *adapter, _base_fusable([base], x), ints)
         kept = group.take(index, x, adapter)
         if kept is not None:
             return kept
         members = {index: adapter}
-        kind = _base_kind(base, x) if tuning.fixed_tiling else None
+        base_kind = _base_kind(base, x) if tuning.fixed_tiling else None
         for other_index, other in enumerate(group.modules):
             other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning)
-            same_dtypes = other_adapter is not None and other_adapter[0].dtype == adapter[0].dtype
-            if same_dtypes and other_adapter[3] == adapter[3] and (
-                    kind is None or _base_kind(other.base_layer, x) == kind):
+            same_dtypes = other_adapter is not None and other_adapter.lora_a.dtype == adapter.lora_a.dtype
+            if same_dtypes and other_adapter.compute_dtype == adapter.compute_dtype and (
+                    base_kind is None or _base_kind(other.base_layer, x) == base_kind):
                 members[other_index] = other_adapter
-        lora = ([a[0] for a in members.values()], [a[1] for a in members.values()], [a[2] for a in members.values()])
+        lora = ([a.lora_a for a in members.values()], [a.lora_b for a in members.values()],
+                [a.scaling for a in members.values()])
         layers = [group.modules[i].base_layer for i in members]
         rows = x.reshape(-1, x.shape[-1])
         if _base_fusable(layers, x):
             biases = [layer.bias for layer in layers if layer.bias is not None]
             outs = torch.ops.cb_sync.lora_linear_group(rows, [layer.weight for layer in layers], biases, *lora,
-                                                       adapter[3], ints)
+                                                       adapter.compute_dtype, ints)
         else:
             results = [layer(x) for layer in layers]
             outs = torch.ops.cb_sync.lora_add_group(rows, [r.reshape(-1, r.shape[-1]) for r in results], *lora,
-                                                    adapter[3], ints)
+                                                    adapter.compute_dtype, ints)
         outs = {i: out.view(*x.shape[:-1], out.shape[-1]) for i, out in zip(members, outs)}
         if len(members) > 1:
             group.keep(x, {i: out for i, out in outs.items() if i != index}, members)
