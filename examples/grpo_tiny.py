@@ -4,7 +4,7 @@
 
 Runs on the CPU in seconds and downloads nothing. For a real run, load the model and tokenizer with
 `from_pretrained` and keep the rest: the trainer's rollouts come from the very modules it trains (here a LoRA
-adapter), with the KV cache given back before each training step.
+adapter), and a KV cache over 1 GiB is given back before each training step (`release_after_rollout`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,29 @@ def test_python_dash_m_runs_the_command_line():
     assert done.stdout.strip() == f"cb-sync {cb_sync.__version__}"
 
 
+WITHOUT_TRITON = """
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoTriton())
+from cb_sync.cli import main
+main(["demo", "--prompts", "3", "--max-new-tokens", "4"])
+assert not any(name.split(".")[0] == "triton" for name in sys.modules)
+"""
+
+
+def test_the_demo_runs_where_triton_is_not_installed():
+    """The CPU quick start installs torch's CPU wheel and cb_sync without extras: no Triton."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "greedy tokens equal to HF generate: 3/3" in done.stdout
+
+
 def test_demo_options_have_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--help"])

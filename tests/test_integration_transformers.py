@@ -105,24 +105,36 @@ def test_logprobs_are_log_softmax_of_the_model(model):
     assert len(out["req_0"].logprobs) == 3
 
 
-def test_generation_config_mapping(model):
+def test_generation_config_mapping(model, monkeypatch):
     cfg = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, max_new_tokens=6,
                            eos_token_id=[1, 7], pad_token_id=0, output_scores=True, use_cache=True)
     (p,) = sampling_params_from_generation_config(model, cfg, [[3, 4]], logprobs=True)
     assert p == SamplingParams(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,
                                eos_token_id=[1, 7], logprobs=True)
     # unset fields resolve like generate(): model.generation_config first, then transformers' defaults
-    model.generation_config.temperature = 0.5
+    monkeypatch.setattr(model.generation_config, "temperature", 0.5)
     (p,) = sampling_params_from_generation_config(model, GenerationConfig(do_sample=True), [[3, 4, 5]])
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.max_new_tokens) == (0.5, 50, 1.0, 0.0, 17)
     # greedy ignores sampling-only values (top_k=50 default, a temperature) instead of refusing them
     (p,) = sampling_params_from_generation_config(model, GenerationConfig(do_sample=False, temperature=0.3,
                                                                          top_k=50, max_new_tokens=4), [[1]])
     assert not p.do_sample and p.max_new_tokens == 4
-    # one seed per call gives each request its own, reproducibly
-    a = sampling_params_from_generation_config(model, cfg, [[3]] * 3, seed=11)
-    b = sampling_params_from_generation_config(model, cfg, [[3]] * 3, seed=11)
-    assert [x.seed for x in a] == [x.seed for x in b] and len({x.seed for x in a}) == 3
+    # keyword arguments come last, as generate()'s: a None among them unsets (a filter off, no EOS)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", 7)
+    (p,) = sampling_params_from_generation_config(model, GenerationConfig(do_sample=True), [[3]], top_k=None,
+                                                  eos_token_id=None, max_new_tokens=2)
+    assert (p.top_k, p.eos_token_id, p.max_new_tokens) == (0, [], 2)
+
+
+def test_a_none_keyword_unsets_as_in_generate(model, monkeypatch):
+    first, second = hf_greedy(model, PROMPTS[0], 2)
+    assert first != second
+    monkeypatch.setattr(model.generation_config, "eos_token_id", second)     # hit at the second token
+    enable(model)
+    out = model.generate_batch(PROMPTS[:1], max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert out["req_0"].generated_tokens == hf_greedy(model, PROMPTS[0], 6)
+    assert len(model.generate_batch(PROMPTS[:1], max_new_tokens=6, do_sample=False)["req_0"].generated_tokens) == 2
+    disable(model)
 
 
 def test_sampling_is_seeded_and_groups_differ():
@@ -135,6 +147,9 @@ def test_sampling_is_seeded_and_groups_differ():
                                   continuous_batching_config=ContinuousBatchingConfig(seed=3))
     assert [o.generated_tokens for o in first.values()] == [o.generated_tokens for o in second.values()]
     assert len({tuple(o.generated_tokens) for o in first.values()}) == 4
+    for bad in (-3, 2**63, 1.5, True):
+        with pytest.raises(ValueError, match="seed must be None or an int"):
+            model.generate_batch(prompts, generation_config=cfg, seed=bad)
     unseeded = model.generate_batch(prompts, generation_config=cfg)
     assert len({tuple(o.generated_tokens) for o in unseeded.values()}) == 4
     disable(model)

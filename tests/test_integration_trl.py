@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -60,9 +61,9 @@ class Spy:
         self.calls, self.releases, self.release_kwargs = [], 0, []
         generate, release = SyncCBDriver.generate, SyncCBDriver.release
 
-        def spy_generate(drv, prompts, params=None, progress_bar=None):
+        def spy_generate(drv, prompts, params=None, progress_bar=None, seed=None):
             before, checkpointing = drv.model.training, drv.model.is_gradient_checkpointing
-            results = generate(drv, prompts, params, progress_bar)
+            results = generate(drv, prompts, params, progress_bar, seed=seed)
             self.calls.append(dict(driver=drv, prompts=[list(p) for p in prompts], params=params, before=before,
                                    after=drv.model.training, results=results,
                                    checkpointing=(checkpointing, drv.model.is_gradient_checkpointing)))
@@ -119,7 +120,7 @@ def snapshot(model) -> dict:
 def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
     returned = []       # cached blocks given back before each rollout, while its KV pools are not allocated yet
-    monkeypatch.setattr(trl_integration, "return_cached_blocks",
+    monkeypatch.setattr(trl_integration, "return_allocator_cache",
                         lambda device: returned.append(spy.calls[-1]["driver"].cache.num_blocks if spy.calls else 0))
     model = tiny_model()
     forbid_hf_generate(monkeypatch, model)
@@ -409,6 +410,23 @@ def test_refuses_conflicting_backends_and_options(tmp_path):
         CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
                           args=grpo_args(tmp_path, repetition_penalty=1.3),
                           train_dataset=dataset(), processing_class=tokenizer())
+
+
+def test_generation_kwargs_reach_the_rollouts_as_in_trls_own_path(tmp_path):
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                args=grpo_args(tmp_path, generation_kwargs={"max_new_tokens": 3, "eos_token_id": [7]}),
+                                train_dataset=dataset(), processing_class=tokenizer())
+    assert (trainer._cb_params.max_new_tokens, trainer._cb_params.eos_token_id) == (3, [7])
+    with pytest.raises(ValueError, match="log_logprob_diff must be True or False, got 'yes'"):
+        CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path),
+                          train_dataset=dataset(), processing_class=tokenizer(), log_logprob_diff="yes")
+
+
+def test_the_logprob_gaps_quantile_is_torchs_at_any_size():
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(0))
+    assert trl_integration.quantile(values, 0.95) == pytest.approx(torch.quantile(values, 0.95).item(), rel=1e-6)
+    many = torch.rand(2**24 + 3, generator=torch.Generator().manual_seed(1))    # past torch.quantile's limit
+    assert trl_integration.quantile(many, 0.95) == pytest.approx(float(np.quantile(many.numpy(), 0.95)), rel=1e-6)
 
 
 def test_generate_single_turn_contract(tmp_path, monkeypatch):

@@ -158,11 +158,11 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
     state = self.__dict__[_STATE]
     model = state.model if state.model is not None else self
     params = sampling_params_from_generation_config(model, generation_config, prompts, logprobs=return_logprobs,
-                                                    seed=seed, **kwargs)
+                                                    **kwargs)
     driver = state.driver_for(self)
     start = time.perf_counter()
     try:
-        results = driver.generate(prompts, params, progress_bar=progress_bar)
+        results = driver.generate(prompts, params, progress_bar=progress_bar, seed=seed)
     finally:
         if not persistent_manager:
             driver.release()
@@ -178,11 +178,11 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
 
 
 def sampling_params_from_generation_config(model, generation_config=None, prompts: list[list[int]] | None = None,
-                                           logprobs: bool = False, seed: int | None = None,
-                                           **overrides) -> list[SamplingParams]:
+                                           logprobs: bool = False, **overrides) -> list[SamplingParams]:
     """One SamplingParams per prompt from a GenerationConfig resolved as `model.generate()` resolves it, `overrides`
-    (GenerationConfig fields) set on top; ValueError for any field that would change the result and that cb_sync
-    cannot honour. `seed` (one per call) derives a distinct seed per request; None leaves each its own fresh seed."""
+    (GenerationConfig fields) set last, as generate()'s keyword arguments; ValueError for any field that would change
+    the result and that cb_sync cannot honour. Seeds are left unset (`SyncCBDriver.generate(seed=...)` derives one
+    per request)."""
     prompts = prompts if prompts is not None else [[]]
     cfg = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     if not isinstance(cfg, GenerationConfig):
@@ -191,8 +191,6 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
     unknown = sorted(k for k in overrides if k not in fields)
     if unknown:
         raise ValueError(f"generate_batch got unexpected keyword arguments {unknown}")
-    for name, value in overrides.items():
-        setattr(cfg, name, value)
     values = cfg.to_dict()
     model_cfg = getattr(model, "generation_config", None)
     if model_cfg is not None:  # like generate(): unset fields come from the model's generation config
@@ -200,6 +198,7 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
             if name in fields and values.get(name) is None:  # custom entries of a checkpoint's config are inert
                 values[name] = value
     values.update({name: value for name, value in _DEFAULTS.items() if values.get(name) is None})
+    values.update(overrides)   # like generate()'s keyword arguments: last, a None among them included
     bad = sorted(f"{k}={v!r}" for k, v in values.items()
                  if k not in _MAPPED and k not in _HARMLESS and not _is_neutral(k, v))
     if bad:
@@ -208,23 +207,26 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
     eos = values.get("eos_token_id")  # None or []: no EOS (as generate(); model.generation_config was merged)
     eos = [] if eos is None else eos   # SamplingParams validates and normalises ints and lists
     sampling = {}
-    if values["do_sample"]:     # temperature, top_k and top_p are never None: _DEFAULTS filled them
-        sampling = dict(do_sample=True, temperature=float(values["temperature"]), top_k=int(values["top_k"]),
-                        top_p=float(values["top_p"]), min_p=float(values.get("min_p") or 0.0))
-    seeds = [None] * len(prompts)
-    if seed is not None:
-        seeds = torch.randint(0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(int(seed))).tolist()
+    if values["do_sample"]:     # a filter set to None by a keyword argument is off, as in generate()
+        sampling = dict(do_sample=True, temperature=float(_or(values["temperature"], 1.0)),
+                        top_k=int(_or(values["top_k"], 0)), top_p=float(_or(values["top_p"], 1.0)),
+                        min_p=float(_or(values.get("min_p"), 0.0)))
     params = []
-    for index, (prompt, request_seed) in enumerate(zip(prompts, seeds)):
+    for index, prompt in enumerate(prompts):
         max_new = values.get("max_new_tokens")
+        if max_new is None and values["max_length"] is None:
+            raise ValueError("max_new_tokens and max_length are both None: set max_new_tokens")
         if max_new is None:
             max_new = values["max_length"] - len(prompt)
             if max_new <= 0:
                 raise ValueError(f"prompt {index} has {len(prompt)} tokens, not below max_length="
                                  f"{values['max_length']}: set max_new_tokens")
-        params.append(SamplingParams(max_new_tokens=int(max_new), eos_token_id=eos, seed=request_seed,
-                                     logprobs=logprobs, **sampling))
+        params.append(SamplingParams(max_new_tokens=int(max_new), eos_token_id=eos, logprobs=logprobs, **sampling))
     return params
+
+
+def _or(value, neutral):
+    return neutral if value is None else value
 
 
 def _is_neutral(name: str, value) -> bool:

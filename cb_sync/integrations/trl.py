@@ -25,10 +25,10 @@ them as the driver compiled them.
 
 The generator's per-token logprobs (of the sampled token under log_softmax(logits / temperature), what the trainer
 recomputes) reach TRL as `sampling_per_token_logps`. Each log logs `sampling/sampling_logp_difference/{mean,p95,max}`
-of |generator - trainer| and `sampling/ratio_outside_0.9_1.1`, the share of tokens whose ratio p_trainer / p_generator
-lies outside [0.9, 1.1], over the completion tokens since the last log: against TRL's old logps where it computes them,
-else against the logprobs of the loss's own forward (the same weights: no extra forward); `log_logprob_diff=False`
-skips it. `importance_sampling_correction=True` runs TRL's importance-sampling correction on
+of |generator - trainer| and `sampling/ratio_outside_0.9_1.1`, the share of tokens whose ratio
+p_trainer / p_generator lies outside [0.9, 1.1], over the completion tokens since the last log: against TRL's old logps
+where it computes them, else against the logprobs of the loss's own forward (the same weights: no extra forward);
+`log_logprob_diff=False` skips it. `importance_sampling_correction=True` runs TRL's importance-sampling correction on
 these logprobs (configured by GRPOConfig's `vllm_importance_sampling_*` fields), which TRL gates on `use_vllm`: the
 flags are set for the duration of `_generate_and_score_completions` and `_compute_loss` only (no vLLM object is made or
 reached, and the weight-sync counter is kept current).
@@ -107,8 +107,10 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         for name, value in (("release_after_rollout", release_after_rollout), ("group_by_length", group_by_length)):
             if value not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {value!r}")
-        if compile_layers not in (True, False):
-            raise ValueError(f"compile_layers must be True or False, got {compile_layers!r}")
+        for name, value in (("importance_sampling_correction", importance_sampling_correction),
+                            ("log_logprob_diff", log_logprob_diff), ("compile_layers", compile_layers)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         if compile_layers and cb_config is not None and cb_config.batch_invariant:
             raise ValueError("compile_layers=True cannot run with CBConfig(batch_invariant=True): its forwards run "
                              "their own kernels, which compiling would change")
@@ -144,11 +146,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                              f"and {type(model).__name__} has none")
         if self.cb_config.batch_invariant:
             _check_invariant_training(model)
-        overrides = {"eos_token_id": list(self.eos_token_ids)}
-        if self.max_completion_length is not None:
-            overrides["max_new_tokens"] = self.max_completion_length
-        self._cb_params = sampling_params_from_generation_config(model, self.generation_config, logprobs=True,
-                                                                 **overrides)[0]
+        self._cb_params = sampling_params_from_generation_config(model, self.generation_config, logprobs=True)[0]
 
     @property
     def cb_driver(self) -> SyncCBDriver:
@@ -167,7 +165,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             raise NotImplementedError("CBSyncGRPOTrainer generates from text prompts only")
         driver = self.cb_driver
         if driver.cache.num_blocks == 0:
-            return_cached_blocks(driver.device)
+            return_allocator_cache(driver.device)
         # batch-invariant: the rollout runs under the autocast state of the trainer's forward, as its logprobs must
         autocast = self.accelerator.autocast() if self.cb_config.batch_invariant else contextlib.nullcontext()
         with (profiling_context(self, "cb_sync.generate"), autocast, self._lora_input_casts(driver.model, True),
@@ -232,7 +230,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         with self._importance_sampling_flags():
             output = super()._generate_and_score_completions(inputs)
-        # With the correction on, TRL itself logs the same metrics from its old logps.
+        # With the correction on, TRL logs the gap itself (its mean and max, and the importance ratios).
         if (self.log_logprob_diff and not self.importance_sampling_correction and "sampling_per_token_logps" in output
                 and output.get("old_per_token_logps") is not None):
             self._add_logprob_gap(output["old_per_token_logps"], output)
@@ -367,7 +365,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                                           cfg.tuning.lora)
             logps.append(invariant_logprobs(logits, ids[:, -logits_to_keep:], self.temperature))
             if compute_entropy:     # with gradients only for TRL's entropy bonus
-                bonus = getattr(self, "_entropy_bonus_enabled", True)
+                bonus = self._entropy_bonus_enabled
                 with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
                     log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
                     entropies.append(-(log_probs.exp() * log_probs).sum(-1))
@@ -393,13 +391,23 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             outside = (delta > math.log(1.1)) | (delta < math.log(0.9))
             metrics = self._metrics[mode]
             metrics["sampling/sampling_logp_difference/mean"].append(gap.mean().item())
-            metrics["sampling/sampling_logp_difference/p95"].append(torch.quantile(gap, 0.95).item())
+            metrics["sampling/sampling_logp_difference/p95"].append(quantile(gap, 0.95))
             metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
             metrics["sampling/ratio_outside_0.9_1.1"].append(outside.float().mean().item())
         super().log(logs, start_time)
 
 
-def return_cached_blocks(device: torch.device) -> None:
+def quantile(values: torch.Tensor, q: float) -> float:
+    """torch.quantile's (linear interpolation) of a 1-D tensor of any size: torch.quantile refuses over 2**24 values,
+    which a run's gathered completion tokens reach."""
+    ordered = values.sort().values
+    position = q * (ordered.numel() - 1)
+    below = int(position)
+    above = min(below + 1, ordered.numel() - 1)
+    return torch.lerp(ordered[below], ordered[above], position - below).item()
+
+
+def return_allocator_cache(device: torch.device) -> None:
     """Before a rollout allocates its KV pools again: the training step's cached blocks go back to the device (they
     are split into sizes the pools cannot use), so the card holds the larger of rollout and training, not both."""
     if device.type == "cuda":
