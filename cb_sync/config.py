@@ -54,8 +54,8 @@ class CBConfig:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        counts = ["block_size", "max_batch_tokens", "max_batch_size"] + ([] if self.num_blocks is None else ["num_blocks"])
-        for name in counts:
+        counts = ["block_size", "max_batch_tokens", "max_batch_size"]
+        for name in counts + ([] if self.num_blocks is None else ["num_blocks"]):
             setattr(self, name, _positive(name, getattr(self, name)))
         for name in ("cuda_graphs", "compile", "lora_kernels", "prefix_sharing", "batch_invariant"):
             _flag(name, getattr(self, name))
