@@ -298,7 +298,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         would change)."""
         if not torch.is_grad_enabled() or not prefers_cudnn_attention(model):
             return input_ids, attention_mask
-        if learned_position_limit(model.config.get_text_config()) is not None:
+        if _has_learned_positions(model):
             return input_ids, attention_mask
         return clear_of_faulty_width(input_ids, attention_mask, self._tokenizer.pad_token_id)
 
@@ -322,7 +322,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         # where cuDNN attention builds a plan per width; a model with a table of positions could meet the end of it
         # in the columns added on the right
         widen_unmasked = (prefers_cudnn_attention(unwrapped)
-                          and learned_position_limit(unwrapped.config.get_text_config()) is None)
+                          and not _has_learned_positions(unwrapped))
         logps, entropies = [], []
         for start in range(0, rows, batch_size):
             chunk = order[start:start + batch_size]
@@ -407,6 +407,11 @@ def quantile(values: torch.Tensor, q: float) -> float:
     return torch.lerp(ordered[below], ordered[above], position - below).item()
 
 
+def _has_learned_positions(model) -> bool:
+    """A table of absolute positions (GPT-2, OPT, ...): moving a row's tokens to other columns changes its logits."""
+    return learned_position_limit(model.config.get_text_config()) is not None
+
+
 def return_allocator_cache(device: torch.device) -> None:
     """Before a rollout allocates its KV pools again: the training step's cached blocks go back to the device (they
     are split into sizes the pools cannot use), so the card holds the larger of rollout and training, not both."""
@@ -433,8 +438,7 @@ def _length_groups_wanted(trainer: CBSyncGRPOTrainer, asked: bool | None) -> boo
         ("use_adaptive_entropy", trainer.use_adaptive_entropy, not trainer.use_adaptive_entropy),
         ("router_aux_loss_coef", trainer.router_aux_loss_coef, not trainer.aux_loss_enabled)) if not ok]
     if asked is None:       # trimmed and widened rows move to other absolute positions: only rotary models ignore it
-        learned_positions = learned_position_limit(trainer.model.config.get_text_config()) is not None
-        return not wrong and not trainer.cb_config.batch_invariant and not learned_positions
+        return not wrong and not trainer.cb_config.batch_invariant and not _has_learned_positions(trainer.model)
     if asked and wrong:
         raise ValueError("group_by_length=True needs num_iterations=1, steps_per_generation equal to "
                          f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), a loss_type other than "
