@@ -99,13 +99,13 @@ class SamplingParams:
         if not (_real(self.temperature) and MIN_TEMPERATURE <= self.temperature < math.inf):
             raise ValueError(f"temperature must be a number >= {MIN_TEMPERATURE} (do_sample=False for greedy), got "
                              f"{self.temperature!r}")
-        if not (_integer(self.top_k) and self.top_k >= 0):
+        if not (is_integer(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not (_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not (_real(self.min_p) and 0 <= self.min_p < 1):
             raise ValueError(f"min_p must be a number in [0, 1), got {self.min_p!r}")
-        if self.seed is not None and not (_integer(self.seed) and 0 <= self.seed < 2**63):
+        if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
         self.top_k, self.seed = int(self.top_k), None if self.seed is None else int(self.seed)
         if self.eos_token_id is not None:
@@ -120,30 +120,30 @@ class SamplingParams:
 
 def _token_ids(name: str, ids, allow_single: bool = True):
     """Plain ints from an int or an iterable of ints (numpy and torch integers included); ValueError otherwise."""
-    single = isinstance(ids, numbers.Integral) and not isinstance(ids, bool)
+    single = is_integer(ids)
     if single and not allow_single:
         raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
     try:
         values = [ids] if single else list(ids)
     except TypeError:
         raise ValueError(f"{name} must be an int or a list of ints, got {ids!r}") from None
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in values):
+    if not all(is_integer(t) and t >= 0 for t in values):
         raise ValueError(f"{name} must hold ints >= 0, got {ids!r}")
     return int(values[0]) if single else [int(t) for t in values]
 
 
-def _integer(value) -> bool:
+def is_integer(value) -> bool:
     """An int (numpy's included), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _real(value) -> bool:
     """A real number (numpy's included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _positive(name: str, value) -> int:
-    if not _integer(value) or value <= 0:
+    if not is_integer(value) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections.abc import Sequence
 
 import torch
 
 from .cache import blocks_for
-from .config import SamplingParams
+from .config import SamplingParams, is_integer
 from .request import Request
 
 
@@ -26,7 +25,7 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
         raise ValueError(f"params must be a SamplingParams or a list of one per prompt, got {type(params).__name__}")
     elif len(params) != len(rows):
         raise ValueError(f"got {len(params)} SamplingParams for {len(rows)} prompts")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63):
+    if seed is not None and not (is_integer(seed) and 0 <= seed < 2**63):
         raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
     checked = set()
     for index, p in enumerate(params):
@@ -58,7 +57,7 @@ def _check_prompt(index: int, prompt, vocab_size: int) -> list[int]:
         raise ValueError(f"request {index}: empty prompt")
     ids = []
     for position, token in enumerate(tokens):
-        value = token if type(token) is int else _integer(token)
+        value = token if type(token) is int else _token_int(token)
         if value is None:
             raise ValueError(f"request {index}: token {token!r} at position {position} must be an int, "
                              f"got {type(token).__name__}")
@@ -69,14 +68,12 @@ def _check_prompt(index: int, prompt, vocab_size: int) -> list[int]:
     return ids
 
 
-def _integer(token) -> int | None:
+def _token_int(token) -> int | None:
     """A numpy or torch integer (a 0-d integer tensor included) as an int; None for anything else (bools too)."""
     if isinstance(token, torch.Tensor):
         integral = token.ndim == 0 and not token.is_floating_point() and not token.is_complex()
         return int(token) if integral and token.dtype != torch.bool else None
-    if isinstance(token, numbers.Integral) and not isinstance(token, bool) and type(token).__name__ != "bool_":
-        return int(token)
-    return None
+    return int(token) if is_integer(token) else None
 
 
 def check_fits(requests: list[Request], text_config, block_size: int, capacity: int) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from . import triton_kernels
 from .metadata import AttnMetadata
+from .sdpa_paged import token_requests
 
 INSTALL_HINT = ("install cb_sync's `flash` extra: pip install 'flash-attn-4>=4.0.0b36' "
                 "'nvidia-cutlass-dsl[cu13]>=4.8' (FlashAttention 4 with nvidia-cutlass-dsl's CUDA 13 libraries)")
@@ -55,8 +56,8 @@ def flash_store_and_attend_op(query: torch.Tensor, key: torch.Tensor, value: tor
         padded = (seq_lens == 0)[:, None, None]
         return out.squeeze(1).masked_fill(padded, 0.0)
     out = _output(flash_attn_varlen_func(query, k_cache, v_cache, cu_seqlens_q=query_start_loc, **common))
-    token_request = torch.repeat_interleave(query_start_loc.diff(), output_size=num_tokens)
-    return out.masked_fill((seq_lens[token_request] == 0)[:, None, None], 0.0)
+    _, token_req, _ = token_requests(query_start_loc, num_tokens)
+    return out.masked_fill((seq_lens[token_req] == 0)[:, None, None], 0.0)
 
 
 @flash_store_and_attend_op.register_fake
