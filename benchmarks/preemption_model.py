@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 from benchmarks.common import (COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, LORA_BYTES, RESULTS, WEIGHT_BYTES, markdown_table,
                                write_results)
+from benchmarks.long_rollouts import ContextSteps
 from cb_sync.cache import BlockAllocator
 from cb_sync.config import SamplingParams
 from cb_sync.request import Request
@@ -33,14 +35,13 @@ def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_bat
     requests = [Request(i, [i] * prompt_len, params, seed=0, eos_ids=frozenset()) for i in range(batch)]
     for request in requests:
         scheduler.add(request)
-    steps, seconds, recomputed = 0, 0.0, 0
+    steps, seconds, fed = 0, 0.0, ContextSteps()     # fed: what each request was fed again
     while scheduler.has_work():
         plan = scheduler.schedule()
         if not plan:
             raise ValueError(f"a cap of {cap_gib} GiB ({num_blocks} blocks) cannot hold one request")
         prefilled = sum(chunk.length for chunk in plan if chunk.length > 1)
-        recomputed += sum(max(0, min(c.start + c.length, c.request.num_tokens - 1) - c.start)
-                          for c in plan if c.request.output)
+        fed(SimpleNamespace(plan=plan))
         context = sum(chunk.start + chunk.length for chunk in plan)
         seconds += ((WEIGHT_BYTES + LORA_BYTES + KV_BYTES_PER_TOKEN * context) / COPY_BANDWIDTH
                     + prefilled * PREFILL_S_PER_TOKEN)
@@ -48,7 +49,7 @@ def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_bat
         scheduler.update(plan, sampled, [0] * len(sampled), [0.0] * len(sampled))
         steps += 1
     return {"batch": batch, "cap_gib": cap_gib, "blocks": num_blocks, "steps": steps,
-            "preemptions": sum(r.num_preemptions for r in requests), "recomputed_tokens": recomputed,
+            "preemptions": sum(r.num_preemptions for r in requests), "recomputed_tokens": fed.recomputed,
             "seconds": round(seconds, 1), "tok_per_s": round(batch * new_tokens / seconds, 1)}
 
 
