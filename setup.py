@@ -1,8 +1,12 @@
+import re
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "(.+)"', open("cb_sync/__init__.py", encoding="utf-8").read()).group(1)
 
 setup(
     name="cb_sync",
-    version="0.1.0",
+    version=VERSION,
     description="Synchronous continuous batching for Hugging Face causal LMs, from the very modules being trained",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -9,6 +9,7 @@
 #     and a dill wheel (carry .vllm-wheels/p6 or .unsloth-wheels too); the image's own pyarrow is used
 #   bash benchmarks/run_h200.sh grpo_hook [ARGS]              trainer rollouts against the driver alone; as grpo
 #   bash benchmarks/run_h200.sh grpo_training [ARGS]          the training half alone, variants; as grpo
+#   bash benchmarks/run_h200.sh grpo_ddp [ARGS]               Workload G on 1 GPU, then 2 (nvidia-h200-x2); as grpo
 #   The peers (vLLM, TRL + vLLM, Unsloth): benchmarks/peers_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1

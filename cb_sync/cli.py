@@ -9,7 +9,7 @@ import torch
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
-    """A small randomly initialised Qwen3 (fp32): the embedded default model."""
+    """A small randomly initialised Qwen3 (fp32): the embedded default model, public for examples and quick tries."""
     from transformers import AutoModelForCausalLM, Qwen3Config
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

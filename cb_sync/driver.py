@@ -51,8 +51,8 @@ class SyncCBDriver:
         self._bind()
         if self.config.compile and self.runner.replay is None:
             warnings.warn(f"CBConfig(compile=True) is ignored on {self.device.type} with attn_backend="
-                          f"{self.config.attn_backend!r}, cuda_graphs={self.config.cuda_graphs}: only the CUDA-graph "
-                          "decode step (CUDA, triton or flash backend) is compiled", stacklevel=2)
+                          f"{self.config.attn_backend!r}, cuda_graphs={self.config.cuda_graphs}: compile applies only "
+                          "where CUDA graphs run (CUDA, triton or flash backend)", stacklevel=2)
 
     def _bind(self) -> None:
         """Size the cache, backend and step executors for the model's current device and dtype."""

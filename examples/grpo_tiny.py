@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Con
 from trl import GRPOConfig
 
 from cb_sync import CBConfig
+from cb_sync.cli import positive_int
 from cb_sync.integrations.trl import CBSyncGRPOTrainer
 
 VOCAB = 64
@@ -69,6 +70,6 @@ def train(output_dir: str = "grpo_tiny", steps: int = 2) -> CBSyncGRPOTrainer:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="grpo_tiny", help="the Trainer's output_dir (grpo_tiny)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps (2)")
+    parser.add_argument("--steps", type=positive_int, default=2, help="training steps (2)")
     cli = parser.parse_args()
     train(cli.output_dir, cli.steps)

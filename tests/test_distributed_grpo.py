@@ -10,6 +10,7 @@ refusal is checked in one process with TRL's DistributedBackend reporting them.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -300,6 +301,29 @@ def test_sharded_parameters_refused(tmp_path, monkeypatch, zero_stage, fsdp_vers
             build()
     else:
         assert build()._dist.zero_stage == zero_stage     # ZeRO-1/2 keep whole parameters on every rank
+
+
+@pytest.mark.parametrize("asked", ["zero3", "fsdp_argument", "fsdp_launch"])
+def test_sharded_parameters_refused_before_trl_builds_anything(tmp_path, monkeypatch, asked):
+    """Where the arguments or `accelerate launch` already ask for sharded parameters, the trainer refuses before
+    GRPOTrainer's own setup (loading models, a reference model's engine) runs."""
+    import cb_sync.integrations.trl as cb_trl
+    from trl import GRPOConfig, GRPOTrainer
+
+    def trl_init(*args, **kwargs):
+        raise AssertionError("GRPOTrainer.__init__ ran before the refusal")
+
+    trl_init.__signature__ = inspect.signature(GRPOTrainer.__init__)    # the trainer reads GRPOConfig through it
+    monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
+    monkeypatch.setattr(cb_trl, "is_deepspeed_zero3_enabled", lambda: asked == "zero3")
+    if asked == "fsdp_launch":
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=1,
+                      report_to=[], use_cpu=True, bf16=False, save_strategy="no")
+    if asked == "fsdp_argument":
+        args.fsdp = True
+    with pytest.raises(ValueError, match="does not support ZeRO-3 or FSDP"):
+        cb_trl.CBSyncGRPOTrainer(model="unused", reward_funcs=even_fraction, args=args)
 
 
 if __name__ == "__main__":

@@ -191,27 +191,17 @@ def test_unmasked_forwards_on_cudnn_attention_widen_on_the_right(trainer, monkey
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.parameters())
 
 
-def test_models_with_learned_positions_are_not_widened_on_the_right(tmp_path, monkeypatch):
-    """Columns added on the right take positions past the row's: a model with a table of positions keeps its width."""
-    from cb_sync.integrations import trl as cb_trl
+def test_group_by_length_refuses_learned_positions_and_batch_invariant_mode(tmp_path):
+    """Trimmed and widened rows sit at other positions, which a table of positions does not ignore; batch-invariant
+    forwards skip padding themselves. group_by_length=True refuses both before any step."""
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64,
                                                        eos_token_id=1, pad_token_id=0, bos_token_id=2))
-    trainer = CBSyncGRPOTrainer(model=gpt2, reward_funcs=even_fraction, args=grpo_args(tmp_path, max_steps=1),
-                                train_dataset=dataset(), processing_class=tokenizer(), group_by_length=True)
-    widths, trl_forward = [], GRPOTrainer._get_per_token_logps_and_entropies
-
-    def recording(self, model, input_ids, attention_mask, *args, **kwargs):
-        widths.append(input_ids.shape[1])
-        return trl_forward(self, model, input_ids, attention_mask, *args, **kwargs)
-
-    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
-    monkeypatch.setattr(cb_trl, "prefers_cudnn_attention", lambda model: True)
-    batch = _padded_rows([5, 5], [6, 6], 5, 6, torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        trainer._get_per_token_logps_and_entropies(trainer.model, torch.cat([batch["prompt_ids"],
-                                                                             batch["completion_ids"]], 1),
-                                                   torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), 6)
-    assert widths == [11]
+    for model, cb_config, named in ((gpt2, None, "learned absolute positions=True"),
+                                    (tiny_model(), CBConfig(batch_invariant=True), "batch_invariant=True")):
+        with pytest.raises(ValueError, match=named):
+            CBSyncGRPOTrainer(model=model, reward_funcs=even_fraction, args=grpo_args(tmp_path, max_steps=1),
+                              train_dataset=dataset(), processing_class=tokenizer(), cb_config=cb_config,
+                              group_by_length=True)
 
 
 @pytest.mark.parametrize("group_by_length", [True, False])

@@ -46,17 +46,16 @@ def reentrant_checkpointing(model: torch.nn.Module) -> bool:
     return False
 
 
-def warm_attention(model: torch.nn.Module, token_id: int, grad: bool, masked: bool,
-                   lengths: tuple[int, ...] = WARM_LENGTHS) -> None:
-    """Run the model on two rows of `token_id` at each length (those within a learned position table), with a padding
-    mask (the second row left-padded by a token) or without; without gradients, or (grad) with a backward that
-    reaches the input embeddings only. No parameter's gradient, no random-number state and no training flag
+def warm_attention(model: torch.nn.Module, token_id: int, grad: bool, masked: bool) -> None:
+    """Run the model on two rows of `token_id` at each of WARM_LENGTHS (those within a learned position table), with
+    a padding mask (the second row left-padded by a token) or without; without gradients, or (grad) with a backward
+    that reaches the input embeddings only. No parameter's gradient, no random-number state and no training flag
     changes."""
     limit = learned_position_limit(model.config.get_text_config())
     devices = sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=devices):
-        for length in (n for n in lengths if limit is None or n <= limit):
+        for length in (n for n in WARM_LENGTHS if limit is None or n <= limit):
             ids = torch.full((2, length), token_id, device=device)
             mask = torch.ones_like(ids)
             if masked:

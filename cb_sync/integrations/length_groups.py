@@ -22,8 +22,9 @@ WIDTH_MULTIPLE = 128
 # cost ~16 tokens a row on average.
 UNMASKED_WIDTH_MULTIPLE = 32
 
-# With a mask, torch 2.11's cuDNN attention backward returns NaN query gradients at widths of 64 past a multiple of 128
-# for rows whose logsumexp is below ~-88.7, which fully masked (left-padding) rows are (pytorch/pytorch#196678).
+# With a mask, cuDNN attention's backward returns NaN query gradients at widths of 64 past a multiple of 128 for rows
+# whose logsumexp is below ~-88.7, which fully masked (left-padding) rows are (pytorch/pytorch#196678; seen on torch
+# 2.11 and avoided on every version).
 # Workload G2 at 4B, its forwards widened to multiples of 64, had NaN gradients from its first step on an H200.
 FAULTY_WIDTH = (128, 64)        # width % 128 == 64
 

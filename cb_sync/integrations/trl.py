@@ -17,9 +17,10 @@ Before the first logprob forward of each variety (with or without gradients, wit
 runs the model on short rows of that variety at two lengths (`attention_warmup`): cuDNN attention builds kernels at
 run time for each kind of sequence length, and the first forward of a new kind would otherwise cost a step ~2 s
 mid-run. A forward with gradients and padding whose width is 64 past a multiple of 128 is left-padded to the next
-multiple: there torch 2.11's cuDNN attention backward gives NaN gradients (`length_groups.FAULTY_WIDTH`). Under bf16
-or fp16 mixed precision the training step's forwards skip PEFT's cast of LoRA inputs to the fp32 adapter dtype, which
-autocast undoes (`lora_input_casts`: the same bits, fewer copies); rollouts keep it. `compile_layers=True` runs
+multiple: there cuDNN attention's backward gave NaN gradients (seen on torch 2.11, avoided on every version;
+`length_groups.FAULTY_WIDTH`). Under bf16 or fp16 mixed precision the training step's forwards skip PEFT's cast of
+LoRA inputs to the fp32 adapter dtype, which autocast undoes (`lora_input_casts`: the same bits, fewer copies);
+rollouts keep it. `compile_layers=True` runs
 the training step's forwards and backward through each decoder layer compiled (`compiled_layers`); rollouts run
 them as the driver compiled them.
 
@@ -49,9 +50,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 from contextlib import contextmanager
 
 import torch
+from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
@@ -76,11 +79,13 @@ class CBSyncGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with cb_sync rollouts. Takes GRPOTrainer's arguments, plus (keyword-only):
 
     cb_config: engine settings of the driver (CBConfig()); with batch_invariant=True the trainer's forwards too.
+        Rollouts show a progress bar only with progress_bar=True (TRL's own bar is on the terminal).
     release_after_rollout: free the KV cache after every rollout so the training step gets the memory (True), keep it
-        for the next rollout (False), or free it where it is larger than KEPT_CACHE_MAX_BYTES (None, the default):
-        re-allocating a cache and re-capturing its graphs costs a rollout ~0.15-0.4 s, worth paying for memory only
-        where the cache is large (a G2-sized rollout's, 64 completions of ~1.3k tokens: ~12 GiB at 4B) and not
-        for a small one (4 of 642 tokens at 4B: 0.4 GiB). Under DDP each rank decides on its own cache.
+        for the next rollout (False), or free it where it is larger than KEPT_CACHE_MAX_BYTES (None, the default).
+        The Triton backend's decode graphs outlive a release, but allocating the pools again costs a rollout time:
+        ~0.3 s of a 2.2 s rollout for a small cache (4 completions of 642 tokens at 4B: 0.4 GiB, kept), 1.035x the
+        driver alone for a large one (64 of ~1.3k tokens at 4B: ~12 GiB, freed). Under DDP each rank decides on its
+        own cache.
     importance_sampling_correction: apply TRL's importance-sampling correction with the generator's logprobs (False;
         the generator runs the trained weights, so the ratio is close to 1 up to kernel numerics).
     log_logprob_diff: log the generator-vs-trainer logprob gap at every log (True; see the module's docstring).
@@ -89,11 +94,11 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         varied lengths most of a forward is padding. The micro-batches of one rollout then make one optimizer step in
         another grouping of the same rows: needs num_iterations=1, steps_per_generation equal to
         gradient_accumulation_steps, and no term averaged per micro-batch (loss_type "bnpo", top_entropy_quantile < 1,
-        an entropy bonus, an MoE aux loss). True: on, ValueError where the settings do not allow it; False: TRL's
-        micro-batches; None (the default): on where the settings allow it, except in batch-invariant mode (whose
-        forwards skip padding themselves) and for models with learned absolute positions (trimmed rows sit at other
-        positions, which rotary embeddings ignore up to rounding). Per-micro-batch metrics (entropy, clip ratios) then
-        average over groups of similar lengths.
+        an entropy bonus or adaptive entropy, an MoE aux loss), outside batch-invariant mode (whose forwards skip
+        padding themselves) and a model without learned absolute positions (trimmed rows sit at other positions,
+        which rotary embeddings ignore up to rounding). True: on, ValueError where any of these does not hold;
+        False: TRL's micro-batches; None (the default): on where they all hold. Per-micro-batch metrics (entropy,
+        clip ratios) then average over groups of similar lengths.
     compile_layers: run the training step's forwards and backward through each decoder layer compiled with
         `torch.compile` (False): fewer, fused kernels, at the cost of compiles in the first steps (one per variety of
         forward, shared by all layers); without dropout, values equal to the eager ones up to rounding. Not with
@@ -105,7 +110,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if cb_config is not None and not isinstance(cb_config, CBConfig):
             raise ValueError(f"cb_config must be a CBConfig, got {type(cb_config).__name__}")
         for name, value in (("release_after_rollout", release_after_rollout), ("group_by_length", group_by_length)):
-            if value not in (None, True, False):
+            if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be True, False or None, got {value!r}")
         for name, value in (("importance_sampling_correction", importance_sampling_correction),
                             ("log_logprob_diff", log_logprob_diff), ("compile_layers", compile_layers)):
@@ -118,6 +123,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if grpo_args is not None and (grpo_args.use_vllm or grpo_args.use_transformers_continuous_batching):
             raise ValueError("CBSyncGRPOTrainer generates with cb_sync: set use_vllm=False and "
                              "use_transformers_continuous_batching=False in GRPOConfig")
+        _refuse_sharded_parameters(is_deepspeed_zero3_enabled(), _fsdp_asked(grpo_args))
         super().__init__(*args, **kwargs)
         self.cb_config = cb_config if cb_config is not None else CBConfig()
         self.release_after_rollout = release_after_rollout
@@ -130,9 +136,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self._gap_batch = None          # the loss's batch, until its first logprobs are compared
         self._cb_driver: SyncCBDriver | None = None
         self._cb_driver_key = None
-        if self._dist.is_zero3 or self._dist.is_fsdp:
-            raise ValueError("CBSyncGRPOTrainer does not support ZeRO-3 or FSDP: parameters are sharded, so a rank "
-                             "cannot generate from the modules it trains. Use DDP or ZeRO stage 1/2.")
+        _refuse_sharded_parameters(self._dist.is_zero3, self._dist.is_fsdp)    # as accelerate set them up
         if getattr(self, "_is_vlm", False):
             raise ValueError("CBSyncGRPOTrainer supports text-only models; use TRL's vLLM backend for VLMs")
         if (importance_sampling_correction and self.loss_type == "vespo"
@@ -287,10 +291,15 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if self._attention_warmup.pending(unwrapped):
             chunks = attention_mask.split(batch_size or attention_mask.size(0))
             for masked in set(torch.stack([~chunk.bool().all() for chunk in chunks]).tolist()):
-                with self.accelerator.autocast():       # as the forward it warms
-                    self._attention_warmup.before_forward(unwrapped, masked)
+                self._warm_attention(unwrapped, masked)
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                           *args, **kwargs)
+
+    def _warm_attention(self, model, masked: bool) -> None:
+        """cuDNN attention's builds for a forward with or without padding (`attention_warmup`), under the autocast
+        state of the forward it warms."""
+        with self.accelerator.autocast():
+            self._attention_warmup.before_forward(model, masked)
 
     def _clear_of_fault(self, model, input_ids, attention_mask):
         """A forward with gradients through cuDNN attention, widened where its width would give NaN gradients
@@ -309,20 +318,16 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         left (`left_padded`), else, where SDPA takes cuDNN attention and positions are rotary, on the right with
         columns no real one attends to (`right_extended`); without gradients the chunks take the rows in order of
         length."""
-        trl_forward = super()._get_per_token_logps_and_entropies
         if compute_aux_loss or any(value is not None for value in multimodal.values()):
-            return trl_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                               compute_aux_loss, **multimodal)
+            raise NotImplementedError("group_by_length scores text-only models without an MoE aux loss")
+        trl_forward = super()._get_per_token_logps_and_entropies
         rows, pad_token_id = input_ids.size(0), self._tokenizer.pad_token_id
         batch_size = batch_size or rows
         sort_rows = batch_size < rows and not torch.is_grad_enabled()
         order = (torch.argsort(attention_mask[:, -logits_to_keep:].sum(1), stable=True) if sort_rows
                  else torch.arange(rows, device=input_ids.device))
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        # where cuDNN attention builds a plan per width; a model with a table of positions could meet the end of it
-        # in the columns added on the right
-        widen_unmasked = (prefers_cudnn_attention(unwrapped)
-                          and not _has_learned_positions(unwrapped))
+        widen_unmasked = prefers_cudnn_attention(unwrapped)     # where cuDNN attention builds a plan per width
         logps, entropies = [], []
         for start in range(0, rows, batch_size):
             chunk = order[start:start + batch_size]
@@ -335,8 +340,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
                 ids, mask = self._clear_of_fault(unwrapped, *left_padded(ids, mask, pad_token_id))
             elif widen_unmasked:
                 ids, mask, extra = right_extended(ids, mask, pad_token_id)
-            with self.accelerator.autocast():           # as the forward it warms
-                self._attention_warmup.before_forward(unwrapped, masked)
+            self._warm_attention(unwrapped, masked)
             kept = logits_to_keep - trailing
             chunk_logps, chunk_entropies, _ = trl_forward(model, ids, mask, kept + extra,
                                                           compute_entropy=compute_entropy)
@@ -412,6 +416,18 @@ def _has_learned_positions(model) -> bool:
     return learned_position_limit(model.config.get_text_config()) is not None
 
 
+def _fsdp_asked(args) -> bool:
+    """FSDP asked for in the arguments or by `accelerate launch` (which says so in the environment)."""
+    from_launch = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    return bool(getattr(args, "fsdp", None)) or from_launch
+
+
+def _refuse_sharded_parameters(zero3: bool, fsdp: bool) -> None:
+    if zero3 or fsdp:
+        raise ValueError("CBSyncGRPOTrainer does not support ZeRO-3 or FSDP: parameters are sharded, so a rank "
+                         "cannot generate from the modules it trains. Use DDP or ZeRO stage 1/2.")
+
+
 def return_allocator_cache(device: torch.device) -> None:
     """Before a rollout allocates its KV pools again: the training step's cached blocks go back to the device (they
     are split into sizes the pools cannot use), so the card holds the larger of rollout and training, not both."""
@@ -425,9 +441,11 @@ def releases_cache(asked: bool | None, cache_bytes: int) -> bool:
 
 
 def _length_groups_wanted(trainer: CBSyncGRPOTrainer, asked: bool | None) -> bool:
-    """group_by_length regroups one rollout's rows among the micro-batches of one optimizer step: whether it runs
-    (asked None: where the settings allow it, outside batch-invariant mode; True: ValueError where they do not)."""
+    """group_by_length regroups one rollout's rows among the micro-batches of one optimizer step and moves trimmed
+    rows to other positions: whether it runs (asked None: where the settings and the model allow it; True:
+    ValueError where they do not)."""
     args = trainer.args
+    learned_positions = _has_learned_positions(trainer.accelerator.unwrap_model(trainer.model))
     wrong = [f"{name}={value!r}" for name, value, ok in (
         ("num_iterations", trainer.num_iterations, trainer.num_iterations == 1),
         ("steps_per_generation", args.steps_per_generation,
@@ -436,14 +454,18 @@ def _length_groups_wanted(trainer: CBSyncGRPOTrainer, asked: bool | None) -> boo
         ("top_entropy_quantile", trainer.top_entropy_quantile, trainer.top_entropy_quantile == 1.0),
         ("entropy_coef", trainer.entropy_coef, not trainer._entropy_bonus_enabled),
         ("use_adaptive_entropy", trainer.use_adaptive_entropy, not trainer.use_adaptive_entropy),
-        ("router_aux_loss_coef", trainer.router_aux_loss_coef, not trainer.aux_loss_enabled)) if not ok]
-    if asked is None:       # trimmed and widened rows move to other absolute positions: only rotary models ignore it
-        return not wrong and not trainer.cb_config.batch_invariant and not _has_learned_positions(trainer.model)
+        ("router_aux_loss_coef", trainer.router_aux_loss_coef, not trainer.aux_loss_enabled),
+        ("CBConfig.batch_invariant", trainer.cb_config.batch_invariant, not trainer.cb_config.batch_invariant),
+        ("learned absolute positions", learned_positions, not learned_positions)) if not ok]
+    if asked is None:
+        return not wrong
     if asked and wrong:
         raise ValueError("group_by_length=True needs num_iterations=1, steps_per_generation equal to "
                          f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), a loss_type other than "
                          "'bnpo', top_entropy_quantile=1.0, no entropy bonus and no MoE aux loss (each averaged per "
-                         f"micro-batch), got {', '.join(wrong)}")
+                         "micro-batch), batch_invariant=False (its forwards skip padding themselves) and a model "
+                         "without learned absolute positions (trimmed rows move to other positions), got "
+                         f"{', '.join(wrong)}")
     return asked
 
 
