@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 from .tuning import KernelTuning
 
@@ -12,9 +15,9 @@ ATTN_BACKENDS = ("auto", "sdpa_paged", "triton", "flash")
 MIN_TEMPERATURE = 1e-6        # logits / temperature stay finite in float32
 
 
-@dataclass
+@dataclass(frozen=True)
 class CBConfig:
-    """Engine settings for SyncCBDriver.
+    """Engine settings for SyncCBDriver, validated once and frozen (`dataclasses.replace` makes a changed copy).
 
     block_size: tokens per KV block.
     num_blocks: KV blocks to allocate; None sizes the cache to each call's needs, within max_cache_gib.
@@ -56,7 +59,7 @@ class CBConfig:
     def __post_init__(self):
         counts = ["block_size", "max_batch_tokens", "max_batch_size"]
         for name in counts + ([] if self.num_blocks is None else ["num_blocks"]):
-            setattr(self, name, _positive(name, getattr(self, name)))
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))     # numpy ints to ints
         for name in ("cuda_graphs", "compile", "lora_kernels", "prefix_sharing", "batch_invariant"):
             _flag(name, getattr(self, name))
         if self.progress_bar is not None:
@@ -75,7 +78,7 @@ class SamplingParams:
     """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p); defaults in brackets.
 
     max_new_tokens [256]; do_sample: False = greedy [False]; temperature [1.0]; top_k: 0 = off [0]; top_p [1.0];
-    min_p [0.0]. The last four apply when do_sample.
+    min_p [0.0]. The last four apply when do_sample; greedy decoding also accepts temperature 0.
     seed: None draws a fresh one per request, from generate(seed=...) where given, else torch's global RNG [None].
     eos_token_id: int, list of ints (empty = no EOS), None = the model's generation config at call time [None].
     stop_token_ids: extra tokens that end the request with finish_reason "stop" [[]].
@@ -96,18 +99,18 @@ class SamplingParams:
         self.max_new_tokens = _positive("max_new_tokens", self.max_new_tokens)
         _flag("do_sample", self.do_sample)
         _flag("logprobs", self.logprobs)
-        if not (_real(self.temperature) and MIN_TEMPERATURE <= self.temperature < math.inf):
+        greedy_zero = not self.do_sample and self.temperature == 0       # vLLM's way of asking for greedy
+        if not (_real(self.temperature) and (MIN_TEMPERATURE <= self.temperature < math.inf or greedy_zero)):
             raise ValueError(f"temperature must be a number >= {MIN_TEMPERATURE} (do_sample=False for greedy), got "
                              f"{self.temperature!r}")
-        if not (is_integer(self.top_k) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        top_k = as_int(self.top_k)
+        if top_k is None or not 0 <= top_k < 2**63:
+            raise ValueError(f"top_k must be an int in [0, 2**63) (0 = off), got {self.top_k!r}")
         if not (_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not (_real(self.min_p) and 0 <= self.min_p < 1):
             raise ValueError(f"min_p must be a number in [0, 1), got {self.min_p!r}")
-        if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        self.top_k, self.seed = int(self.top_k), None if self.seed is None else int(self.seed)
+        self.top_k, self.seed = top_k, seed_int(self.seed)
         if self.eos_token_id is not None:
             self.eos_token_id = _token_ids("eos_token_id", self.eos_token_id)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, allow_single=False)
@@ -119,22 +122,33 @@ class SamplingParams:
 
 
 def _token_ids(name: str, ids, allow_single: bool = True):
-    """Plain ints from an int or an iterable of ints (numpy and torch integers included); ValueError otherwise."""
-    single = is_integer(ids)
-    if single and not allow_single:
+    """Plain ints from an int or an iterable of ints (`as_int`'s ints); ValueError otherwise."""
+    single = as_int(ids)
+    if single is not None and not allow_single:
         raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
     try:
-        values = [ids] if single else list(ids)
+        values = [single] if single is not None else [as_int(t) for t in ids]
     except TypeError:
         raise ValueError(f"{name} must be an int or a list of ints, got {ids!r}") from None
-    if not all(is_integer(t) and t >= 0 for t in values):
+    if isinstance(ids, (str, bytes, Mapping)) or not all(t is not None and t >= 0 for t in values):
         raise ValueError(f"{name} must hold ints >= 0, got {ids!r}")
-    return int(values[0]) if single else [int(t) for t in values]
+    return single if single is not None else values
 
 
-def is_integer(value) -> bool:
-    """An int (numpy's included), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def as_int(value) -> int | None:
+    """An int from Python's or numpy's ints or a 0-d integer tensor, never from a bool; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        integral = value.ndim == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        return int(value) if integral else None
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+
+
+def seed_int(seed) -> int | None:
+    """A seed as an int in [0, 2**63), or None; ValueError otherwise."""
+    value = as_int(seed)
+    if seed is not None and (value is None or not 0 <= value < 2**63):
+        raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
+    return value
 
 
 def _real(value) -> bool:
@@ -143,9 +157,10 @@ def _real(value) -> bool:
 
 
 def _positive(name: str, value) -> int:
-    if not is_integer(value) or value <= 0:
+    number = as_int(value)
+    if number is None or number <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return number
 
 
 def _flag(name: str, value) -> None:

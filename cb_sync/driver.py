@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .attention import invariant, sdpa_paged, select_backend
 from .batch_invariant import check_model, invariant_ops
-from .cache import BlockAllocator, PagedKVCache, blocks_for, blocks_to_allocate
+from .cache import BlockAllocator, PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate
 from .config import CBConfig, SamplingParams
 from .graphs import decode_buckets
 from .lora import invariant_tuning, kernel_row_limit, lora_kernels
@@ -112,7 +112,7 @@ class SyncCBDriver:
         capacity = self._capacity_blocks()
         check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity)
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_positions for r in requests], cfg.block_size,
-                                                          capacity)
+                                                          cfg.max_batch_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
         lora_tuning = self._lora_tuning()
         with contextlib.ExitStack() as call:
@@ -136,7 +136,8 @@ class SyncCBDriver:
         if not preemptions:
             return
         gib = self.cache.bytes_per_block / 2**30
-        needed = sum(blocks_for(r.max_positions, self.config.block_size) for r in requests) * gib
+        needed = blocks_at_once([r.max_positions for r in requests], self.config.block_size,
+                                self.config.max_batch_size) * gib
         limit = (f"num_blocks={self.config.num_blocks}" if self.config.num_blocks is not None
                  else f"max_cache_gib={self.config.max_cache_gib:g}")
         logger.warning("%d preemptions: the call's %d requests need up to %.3g GiB of KV cache at once, the cache "

@@ -15,12 +15,13 @@ from .attention.invariant_training import INVARIANT_IMPLEMENTATION, positions_fr
 from .batch_invariant import invariant_ops, suspended
 from .lora import invariant_tuning
 from .lora import lora_kernels as lora_forwards
+from .model_state import attention_implementations, restore_attention
 from .patching import base_model, forwards_swapped, module_list
 from .sampling import chosen_logprobs
 from .tuning import LoraTuning
 
 
-_OUTSIDE_ATTENTION: dict[int, str] = {}    # id(config) -> its attention implementation outside `invariant_training`
+_OUTSIDE_ATTENTION: dict[int, list] = {}   # id(config) -> `attention_implementations` outside `invariant_training`
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -43,7 +44,7 @@ def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning
     in DDP)."""
     model = unwrapped(model)
     config = base_model(model).config
-    previous = config._attn_implementation
+    previous = attention_implementations(config)
     modules = module_list(model)
     device = base_model(model).get_input_embeddings().weight.device
     lora_tuning = invariant_tuning(lora_kernels, tuning, device)
@@ -59,7 +60,7 @@ def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning
               lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning)):
             yield
     finally:
-        config._attn_implementation = previous
+        restore_attention(previous)
         if outermost:
             _OUTSIDE_ATTENTION.pop(id(config), None)
 
@@ -71,13 +72,13 @@ def default_forward(model: torch.nn.Module):
     layers with an active adapter keep the generator's LoRA kernel. For forwards whose bits need not match the
     generator's (the trainer's reference policy)."""
     config = base_model(unwrapped(model)).config
-    previous = config._attn_implementation
+    previous = attention_implementations(config)
     try:
-        config._attn_implementation = _OUTSIDE_ATTENTION.get(id(config), previous)
+        restore_attention(_OUTSIDE_ATTENTION.get(id(config), previous))
         with suspended():
             yield
     finally:
-        config._attn_implementation = previous
+        restore_attention(previous)
 
 
 def _in_invariant_ops(forward):

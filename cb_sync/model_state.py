@@ -3,6 +3,7 @@ once per compiled step; always restored."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -18,13 +19,35 @@ def check_supported(model: torch.nn.Module) -> None:
     """Refuse models whose attention does not go through transformers' AttentionInterface: they would run the
     flat batch as one sequence. Leaves the model as it was."""
     base = base_model(model)
-    previous = base.config._attn_implementation
+    previous = attention_implementations(base.config)
     base.set_attn_implementation(ATTN_IMPLEMENTATION)
     switched = base.config._attn_implementation == ATTN_IMPLEMENTATION
-    base.set_attn_implementation(previous)
+    restore_attention(previous)
     if not switched:
         raise ValueError(f"{type(base).__name__} does not route attention through transformers' AttentionInterface, "
                          "so cb_sync cannot supply paged attention to it")
+
+
+def attention_implementations(config) -> list[tuple]:
+    """(config, attention implementation) of a model's config and of its sub-configs at any depth (a composite
+    model's submodels run on them), parents before their sub-configs."""
+    found, seen = [], set()
+    pending = deque([config])
+    while pending:
+        config = pending.popleft()
+        if id(config) not in seen:
+            seen.add(id(config))
+            found.append((config, config._attn_implementation))
+            pending.extend(sub for key in config.sub_configs if (sub := getattr(config, key, None)) is not None)
+    return found
+
+
+def restore_attention(recorded: list[tuple]) -> None:
+    """Put back what `attention_implementations` recorded. A config's setter also sets its sub-configs, so parents
+    go first and each sub-config then gets its own value back."""
+    for config, implementation in recorded:
+        if config._attn_implementation != implementation:
+            config._attn_implementation = implementation
 
 
 def _attention_setter(base: PreTrainedModel, modules: list[torch.nn.Module]) -> Callable[[str], None]:
@@ -45,18 +68,16 @@ def generation_mode(model: torch.nn.Module):
     base = base_model(model)
     modules = module_list(model)
     training = {id(module) for module in modules if module.training}
-    previous = base.config._attn_implementation
-    set_attention = _attention_setter(base, modules)         # decided once for entry and exit
-    if previous != ATTN_IMPLEMENTATION:
-        set_attention(ATTN_IMPLEMENTATION)
+    previous = attention_implementations(base.config)
+    if any(implementation != ATTN_IMPLEMENTATION for _, implementation in previous):
+        _attention_setter(base, modules)(ATTN_IMPLEMENTATION)
     try:
         if training:
             model.eval()
         with torch.inference_mode(), rotary_tables_materialized(modules):
             yield modules
     finally:
-        if base.config._attn_implementation != previous:
-            set_attention(previous)
+        restore_attention(previous)
         for module in modules:                # a flag is written only where it differs (a costly setattr)
             if module.training != (id(module) in training):
                 module.training = id(module) in training

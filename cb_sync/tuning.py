@@ -11,24 +11,31 @@ class _Ints:
     def ints(self) -> list[int]:
         return [getattr(self, name) for name in self.__dataclass_fields__]
 
+    def _check(self, tiles: tuple[str, ...], smallest: int) -> None:
+        """ValueError for a field that is not an int >= smallest, or a tile size (`tiles`) that is not a power of two
+        >= 16 (Triton's tl.arange and tl.dot sizes), when the tuning is built rather than at a kernel's launch."""
+        kind = type(self).__name__
+        for name, value in zip(self.__dataclass_fields__, self.ints()):
+            if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
+                what = "a positive int" if smallest == 1 else f"an int >= {smallest}"
+                raise ValueError(f"{kind}.{name} must be {what}, got {value!r}")
+        for name in tiles:
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{kind}.{name} must be a power of two >= 16, got {value!r}")
+
 
 @dataclass(frozen=True)
 class AttentionTuning(_Ints):
     partition_size: int = 64          # smallest split-K partition of a decode step (tokens)
     max_partitions: int = 32          # a decode step splits a context into at most this many partitions
     decode_programs_per_sm: int = 4   # split-K aims at this many (partition, request, kv head) programs per SM
-    decode_block_n: int = 64          # keys per decode tile
+    decode_block_n: int = 64          # keys per decode tile (at most partition_size: a tile never spans two partitions)
     prefill_block_m: int = 64         # rows (queries x heads in group) per prefill program
     prefill_block_n: int = 64         # keys per prefill tile
 
     def __post_init__(self):
-        for name, value in zip(self.__dataclass_fields__, self.ints()):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionTuning.{name} must be a positive int, got {value!r}")
-        for name in ("partition_size", "decode_block_n", "prefill_block_m", "prefill_block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):       # Triton tiles: tl.arange and tl.dot sizes
-                raise ValueError(f"AttentionTuning.{name} must be a power of two >= 16, got {value!r}")
+        self._check(("partition_size", "decode_block_n", "prefill_block_m", "prefill_block_n"), smallest=1)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,19 @@ class LoraTuning(_Ints):
     shrink_stages: int = 3
     expand_warps: int = 4
     expand_stages: int = 3
+
+    def __post_init__(self):
+        self._check(("block_m", "shrink_block_k", "large_block_m", "expand_block_n", "summed_base_block_n",
+                     "fixed_block_m", "fixed_block_n", "fixed_block_k"), smallest=0)     # 0: a threshold never met
+        for name in ("shrink_warps", "shrink_stages", "expand_warps", "expand_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoraTuning.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.fixed_tiling not in (0, 1):
+            raise ValueError(f"LoraTuning.fixed_tiling must be 0 or 1, got {self.fixed_tiling!r}")
+        for name in ("shrink_split_k", "mid_split_k", "summed_base_split_k"):
+            if getattr(self, name) % self.shrink_block_k:
+                raise ValueError(f"LoraTuning.{name} must be a multiple of shrink_block_k ({self.shrink_block_k}), "
+                                 f"got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

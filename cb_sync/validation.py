@@ -8,16 +8,14 @@ from collections.abc import Sequence
 import torch
 
 from .cache import blocks_for
-from .config import SamplingParams, is_integer
+from .config import SamplingParams, as_int, seed_int
 from .request import Request
 
 
 def build_requests(prompts, params, seed: int | None, vocab_size: int, generation_config) -> list[Request]:
     """One Request per prompt (a 2-D tensor or array gives its rows); a request without a seed of its own draws one
     from `seed` (None: torch's global RNG). Errors are ValueErrors naming the request and the bad value."""
-    rows = prompts.tolist() if hasattr(prompts, "tolist") else prompts
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    rows = prompt_rows(prompts)
     params = SamplingParams() if params is None else params
     if isinstance(params, SamplingParams):
         params = [params] * len(rows)
@@ -25,8 +23,7 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
         raise ValueError(f"params must be a SamplingParams or a list of one per prompt, got {type(params).__name__}")
     elif len(params) != len(rows):
         raise ValueError(f"got {len(params)} SamplingParams for {len(rows)} prompts")
-    if seed is not None and not (is_integer(seed) and 0 <= seed < 2**63):
-        raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
+    seed = seed_int(seed)
     checked = set()
     for index, p in enumerate(params):
         if not isinstance(p, SamplingParams):
@@ -38,7 +35,7 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
             except ValueError as error:
                 raise ValueError(f"request {index}: {error}") from None
     prompts = [_check_prompt(index, prompt, vocab_size) for index, prompt in enumerate(rows)]
-    generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
     seeds = iter(torch.randint(0, 2**62, (sum(p.seed is None for p in params),), generator=generator).tolist())
     default_eos = generation_config.eos_token_id if generation_config is not None else None
     requests = []
@@ -49,15 +46,25 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
     return requests
 
 
-def _check_prompt(index: int, prompt, vocab_size: int) -> list[int]:
-    tokens = prompt.tolist() if hasattr(prompt, "tolist") else prompt
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
+def prompt_rows(prompts) -> list[Sequence]:
+    """The prompts as a list of token sequences (a tensor or array gives its rows as lists); ValueError for prompts
+    that are not a list of sequences, naming the request."""
+    rows = prompts.tolist() if hasattr(prompts, "tolist") else prompts
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    tokens = [row.tolist() if hasattr(row, "tolist") else row for row in rows]
+    for index, (row, prompt) in enumerate(zip(tokens, rows)):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
+    return tokens
+
+
+def _check_prompt(index: int, tokens: Sequence, vocab_size: int) -> list[int]:
     if len(tokens) == 0:
         raise ValueError(f"request {index}: empty prompt")
     ids = []
     for position, token in enumerate(tokens):
-        value = token if type(token) is int else _token_int(token)
+        value = token if type(token) is int else as_int(token)
         if value is None:
             raise ValueError(f"request {index}: token {token!r} at position {position} must be an int, "
                              f"got {type(token).__name__}")
@@ -66,14 +73,6 @@ def _check_prompt(index: int, prompt, vocab_size: int) -> list[int]:
                              f"[0, {vocab_size})")
         ids.append(value)
     return ids
-
-
-def _token_int(token) -> int | None:
-    """A numpy or torch integer (a 0-d integer tensor included) as an int; None for anything else (bools too)."""
-    if isinstance(token, torch.Tensor):
-        integral = token.ndim == 0 and not token.is_floating_point() and not token.is_complex()
-        return int(token) if integral and token.dtype != torch.bool else None
-    return int(token) if is_integer(token) else None
 
 
 def check_fits(requests: list[Request], text_config, block_size: int, capacity: int) -> None:

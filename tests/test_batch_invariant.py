@@ -114,17 +114,18 @@ def test_row_attention_matches_the_reference_and_is_row_invariant(window, softca
     token_req = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(q_lens))
     row = torch.arange(len(query)) - meta.query_start_loc[token_req]
     positions = meta.seq_lens[token_req] - torch.tensor(q_lens)[token_req] + row
-    tables = meta.block_tables[token_req]
-    out = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25, window, softcap)
+    out = invariant.row_attention(query, k_cache, v_cache, meta.block_tables, token_req, positions, 0.25, window,
+                                  softcap)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    # each row alone, and the rows in reverse order among padding rows, give the same bits
+    # each row alone (its own table), and the rows in reverse order among padding rows, give the same bits
+    tables, one = meta.block_tables[token_req], torch.zeros(1, dtype=torch.long)
     for i in range(len(query)):
         blocks = int(positions[i]) // k_cache.shape[1] + 1               # its own context's blocks only
-        alone = invariant.row_attention(query[i:i + 1], k_cache, v_cache, tables[i:i + 1, :blocks],
+        alone = invariant.row_attention(query[i:i + 1], k_cache, v_cache, tables[i:i + 1, :blocks], one,
                                         positions[i:i + 1], 0.25, window, softcap)
         assert torch.equal(alone[0], out[i])
-    flipped = invariant.row_attention(query.flip(0), k_cache, v_cache, tables.flip(0), positions.flip(0), 0.25,
-                                      window, softcap)
+    flipped = invariant.row_attention(query.flip(0), k_cache, v_cache, tables.flip(0), torch.arange(len(query)),
+                                      positions.flip(0), 0.25, window, softcap)
     assert torch.equal(flipped.flip(0), out)
 
 
@@ -137,17 +138,19 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache = torch.randn(2, 80, 4, 2, 16, generator=gen)
     query = torch.randn(9, 4, 16, generator=gen)
-    tables = torch.randperm(80, generator=gen)[:40].repeat(9, 1)
+    tables = torch.randperm(80, generator=gen).view(2, 40)          # two sequences' blocks, rows from both
+    row_tables = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1, 1])
     positions = torch.tensor([0, 5, 17, 63, 64, 100, 150, -1, 33])
-    expected = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25, window, softcap)
-    out = invariant_kernel.row_attention(query, k_cache, v_cache, tables, positions, 0.25, invariant.KEYS_PER_BLOCK,
-                                         window, softcap)
+    expected = invariant.row_attention(query, k_cache, v_cache, tables, row_tables, positions, 0.25, window, softcap)
+    out = invariant_kernel.row_attention(query, k_cache, v_cache, tables, row_tables, positions, 0.25,
+                                         invariant.KEYS_PER_BLOCK, window, softcap)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[7], torch.zeros_like(out[7]))
     for i in (0, 5, 6):
         blocks = int(positions[i]) // k_cache.shape[1] + 1
-        alone = invariant_kernel.row_attention(query[i:i + 1], k_cache, v_cache, tables[i:i + 1, :blocks],
-                                               positions[i:i + 1], 0.25, invariant.KEYS_PER_BLOCK, window, softcap)
+        alone = invariant_kernel.row_attention(query[i:i + 1], k_cache, v_cache, tables[row_tables[i:i + 1], :blocks],
+                                               torch.zeros(1, dtype=torch.long), positions[i:i + 1], 0.25,
+                                               invariant.KEYS_PER_BLOCK, window, softcap)
         assert torch.equal(alone[0], out[i])
 
 
@@ -287,14 +290,27 @@ def test_invariant_logprobs_gradient_is_autograds():
     torch.testing.assert_close(invariant_logprobs(logits, tokens, 0.7), logps, rtol=1e-6, atol=1e-6)
 
 
+def test_trainer_pages_hold_one_table_per_sequence():
+    """The trainer's sequences in pages: a table per sequence and each token's sequence, not a table per token (which
+    would take B x T x pages entries a layer: 256 MiB at 8 x 8,192 tokens)."""
+    from cb_sync.attention.invariant_training import _paged, positions_from_mask
+    key = torch.randn(3, 2, 40, 16)
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[1, :7] = 0                                                    # a left-padded row
+    k_pages, v_pages, tables, row_tables = _paged(key, key, positions_from_mask(mask), 16)
+    assert tables.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and k_pages.shape == (9, 16, 2, 16)
+    assert row_tables.tolist() == [0] * 40 + [1] * 40 + [2] * 40
+    assert torch.equal(k_pages[3, 0], key[1, :, 7]) and torch.equal(k_pages[6, 0], key[2, :, 0])
+
+
 def test_attention_stays_fp32_under_autocast():
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(2, 8, 4, 2, 16, generator=gen)
-    query, tables, positions = torch.randn(3, 4, 16, generator=gen), torch.arange(8).repeat(3, 1), torch.tensor(
-        [5, 17, 30])
-    plain = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25)
+    query, tables, positions = torch.randn(3, 4, 16, generator=gen), torch.arange(8)[None], torch.tensor([5, 17, 30])
+    rows = torch.zeros(3, dtype=torch.long)
+    plain = invariant.row_attention(query, k_cache, v_cache, tables, rows, positions, 0.25)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = invariant.row_attention(query, k_cache, v_cache, tables, positions, 0.25)
+        autocast = invariant.row_attention(query, k_cache, v_cache, tables, rows, positions, 0.25)
     assert torch.equal(plain, autocast)
 
 

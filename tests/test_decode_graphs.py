@@ -375,6 +375,11 @@ def test_a_failing_compile_warns_and_leaves_the_step_uncompiled(monkeypatch):
         results = driver.generate(prompts, SamplingParams(max_new_tokens=4))
     assert not driver.runner.replay.forward.active
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 4) for p in prompts]
+    graphs = driver.runner.replay.graphs
+    captured = dict(graphs.graphs)
+    assert [r.token_ids for r in driver.generate(prompts, SamplingParams(max_new_tokens=4))] == \
+        [r.token_ids for r in results]
+    assert captured and graphs.graphs == captured           # the uncompiled graphs serve the next call as they are
 
 
 @pytest.mark.slow

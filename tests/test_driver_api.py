@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -14,7 +15,7 @@ from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import ATTN_IMPLEMENTATION
 from cb_sync.model_state import generation_mode
 from cb_sync.patching import module_list
-from cb_sync.tuning import AttentionTuning
+from cb_sync.tuning import AttentionTuning, LoraTuning
 
 from conftest import VOCAB, StepLog, hf_greedy, make_model, random_prompts
 
@@ -58,7 +59,9 @@ def test_params_list_must_match_prompts(model):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": 0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"temperature": 0, "do_sample": True}, "temperature"), ({"top_k": 2**63}, "top_k"),
+    ({"stop_token_ids": {7: "x"}}, "stop_token_ids"), ({"eos_token_id": torch.tensor(1.0)}, "eos_token_id"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"min_p": 1.0}, "min_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"seed": -3}, "seed"), ({"eos_token_id": [1, -2]}, "eos_token_id"), ({"stop_token_ids": ["a"]}, "stop"),
     ({"stop_token_ids": None}, "stop_token_ids"), ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": True}, "top_k"),
@@ -82,6 +85,29 @@ def test_bad_config(kwargs, match):
         CBConfig(**kwargs)
 
 
+def test_torch_integers_are_taken_as_plain_ints_and_greedy_takes_temperature_zero():
+    params = SamplingParams(max_new_tokens=torch.tensor(3), seed=torch.tensor(7), eos_token_id=torch.tensor(5),
+                            stop_token_ids=torch.tensor([6, 8]), temperature=0.0)
+    assert (params.max_new_tokens, params.seed, params.eos_token_id, params.stop_token_ids) == (3, 7, 5, [6, 8])
+    assert all(type(v) is int for v in (params.max_new_tokens, params.seed, params.eos_token_id))
+
+
+def test_config_is_frozen_after_validation():
+    config = CBConfig(max_batch_size=np.int64(8))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 8
+    assert dataclasses.replace(config, max_cache_gib=2.0).max_cache_gib == 2.0
+
+
+def test_cache_is_sized_to_the_requests_that_can_run_at_once(model):
+    """Fifty requests, two at a time: the cache holds the two longest, not all fifty."""
+    driver = SyncCBDriver(model, CBConfig(block_size=4, max_batch_size=2))
+    lengths = [3] * 48 + [9, 13]
+    results = driver.generate(random_prompts(lengths), SamplingParams(max_new_tokens=4))
+    assert driver.cache.num_blocks == (9 + 3) // 4 + (13 + 3) // 4
+    assert [len(r.token_ids) for r in results] == [4] * 50
+
+
 def test_numpy_numbers_are_taken_as_plain_ones():
     params = SamplingParams(max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(4),
                             seed=np.uint32(7), do_sample=True)
@@ -98,6 +124,16 @@ def test_numpy_numbers_are_taken_as_plain_ones():
 def test_bad_attention_tuning(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AttentionTuning(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_m": 24}, "LoraTuning.block_m must be a power of two >= 16, got 24"),
+    ({"expand_block_n": 48}, "expand_block_n"), ({"fixed_tiling": 2}, "fixed_tiling must be 0 or 1"),
+    ({"mid_split_k": 200}, "mid_split_k must be a multiple of shrink_block_k"), ({"mid_rows": -1}, "mid_rows"),
+    ({"shrink_warps": 0}, "shrink_warps must be a positive int"), ({"block_m": True}, "block_m")])
+def test_bad_lora_tuning(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LoraTuning(**kwargs)
 
 
 def test_a_call_that_preempts_says_what_it_needed_on_the_log(caplog):
@@ -140,6 +176,48 @@ def test_state_restored_after_call_and_after_error():
     assert model.get_base_model().config._attn_implementation == impl
     failing.clear()
     assert len(driver.generate(random_prompts([5]), SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
+def test_composite_models_keep_each_sub_configs_attention():
+    """A vision-language model whose towers use different attention implementations gets each back: after the
+    support check, after a call, after a call that raised, and after the trainer's batch-invariant blocks."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from cb_sync.invariant_forward import default_forward, invariant_training
+    text = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    model = Gemma3ForConditionalGeneration._from_config(
+        config, attn_implementation={"": "sdpa", "text_config": "sdpa", "vision_config": "eager"})
+
+    def implementations():
+        c = model.config
+        return c._attn_implementation, c.text_config._attn_implementation, c.vision_config._attn_implementation
+
+    before = implementations()
+    assert before == ("sdpa", "sdpa", "eager")
+    failing = []
+
+    def observer(step):
+        if failing:
+            raise RuntimeError("boom")
+    driver = SyncCBDriver(model, CBConfig(block_size=4), observer=observer)
+    assert implementations() == before
+    assert len(driver.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+    assert implementations() == before
+    failing.append(True)
+    with pytest.raises(RuntimeError, match="boom"):
+        driver.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+    assert implementations() == before
+    with invariant_training(model):
+        assert implementations() != before
+        with default_forward(model):
+            assert implementations() == before
+        assert implementations() != before
+    assert implementations() == before
 
 
 def test_generation_mode_restores_what_its_body_changes():

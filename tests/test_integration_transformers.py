@@ -185,6 +185,13 @@ def test_kwargs(model):
         model.generate_batch(PROMPTS, generation_config=greedy_config(3), record_timestamps=True)
     with pytest.raises(ValueError):  # the driver validates prompts
         model.generate_batch([[1, 2], [VOCAB + 5]], generation_config=greedy_config(3))
+    for rows in ([[1, 2], 7], [[1, 2], {5: "x", 7: "y"}]):
+        with pytest.raises(ValueError, match="request 1: a prompt must be a list of token ids"):
+            model.generate_batch(rows, generation_config=greedy_config(3))
+    with pytest.raises(ValueError, match="return_logprobs must be True or False, got 'no'"):
+        model.generate_batch(PROMPTS, generation_config=greedy_config(3), return_logprobs="no")
+    out = model.generate_batch(torch.tensor([PROMPTS[1][:3], PROMPTS[0][:3]]), generation_config=greedy_config(3))
+    assert out["req_1"].generated_tokens == hf_greedy(model, PROMPTS[0][:3], 3)
     assert model.generate_batch([], generation_config=greedy_config(3)) == {}
 
 
@@ -256,6 +263,20 @@ def test_enabled_then_wrapped_by_peft():
     out = peft_model.generate_batch(PROMPTS, generation_config=greedy_config(8))
     assert [o.generated_tokens for o in out.values()] == [hf_greedy(peft_model, p, 8) for p in PROMPTS]
     disable(model)
+
+
+def test_enabling_the_peft_wrapper_of_an_enabled_model_replaces_the_base_models_driver():
+    model = tiny_model()
+    enable(model)
+    model.generate_batch(PROMPTS, generation_config=greedy_config(3), persistent_manager=True)
+    old = get_driver(model)
+    assert old.cache.num_blocks > 0
+    peft_model = enable(lora(model))
+    assert old.cache.num_blocks == 0 and get_driver(model) is get_driver(peft_model) is not old
+    out = model.generate_batch(PROMPTS, generation_config=greedy_config(8))
+    assert [o.generated_tokens for o in out.values()] == [hf_greedy(peft_model, p, 8) for p in PROMPTS]
+    disable(peft_model)
+    assert not is_enabled(model) and "generate_batch" not in model.__dict__
 
 
 def test_deepcopy_gets_its_own_driver(model):

@@ -28,26 +28,28 @@ def key_block_pages(block_size: int) -> int:
     return max(1, KEYS_PER_BLOCK // block_size)
 
 
-def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_blocks: torch.Tensor,
-                  row_positions: torch.Tensor, scale: float, sliding_window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
-    """query [T, Hq, D]; row_blocks [T, W]: each row's context blocks in order; row_positions [T]: the row's position
-    p (it sees keys 0..p, within the window); -1 marks a padded row (zeros out). Returns [T, Hq, D] in query's dtype."""
+def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  row_tables: torch.Tensor, row_positions: torch.Tensor, scale: float,
+                  sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """query [T, Hq, D]; block_tables [S, W]: each sequence's context blocks in order; row_tables [T]: the row's
+    sequence (its row of block_tables); row_positions [T]: the row's position p (it sees keys 0..p, within the
+    window); -1 marks a padded row (zeros out). Returns [T, Hq, D] in query's dtype."""
     if _kernel_serves(query):
         from . import invariant_kernel
-        return invariant_kernel.row_attention(query, k_cache, v_cache, row_blocks, row_positions, scale,
-                                              KEYS_PER_BLOCK, sliding_window, softcap)
+        return invariant_kernel.row_attention(query, k_cache, v_cache, block_tables, row_tables, row_positions,
+                                              scale, KEYS_PER_BLOCK, sliding_window, softcap)
     num_rows, num_heads, head_dim = query.shape
     pages = key_block_pages(k_cache.shape[1])
-    width = -(-row_blocks.shape[1] // pages) * pages
-    if width != row_blocks.shape[1]:
-        row_blocks = torch.nn.functional.pad(row_blocks, (0, width - row_blocks.shape[1]))
+    width = -(-block_tables.shape[1] // pages) * pages
+    if width != block_tables.shape[1]:
+        block_tables = torch.nn.functional.pad(block_tables, (0, width - block_tables.shape[1]))
     padding = -num_rows % ROWS
     if padding:
         query = torch.cat([query, query.new_zeros(padding, num_heads, head_dim)])
-        row_blocks = torch.cat([row_blocks, row_blocks.new_zeros(padding, width)])
+        row_tables = torch.cat([row_tables, row_tables.new_zeros(padding)])
         row_positions = torch.cat([row_positions, row_positions.new_full((padding,), -1)])
-    outs = [_attend_block(query[i:i + ROWS], k_cache, v_cache, row_blocks[i:i + ROWS].long(),
+    block_tables, row_tables = block_tables.long(), row_tables.long()
+    outs = [_attend_block(query[i:i + ROWS], k_cache, v_cache, block_tables[row_tables[i:i + ROWS]],
                           row_positions[i:i + ROWS].long(), pages, scale, sliding_window, softcap)
             for i in range(0, query.shape[0], ROWS)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -114,10 +116,11 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     else:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     rows = meta.derived.get(__name__)
-    if rows is None:                    # each row's context blocks and position: the same in every layer
+    if rows is None:                    # the tables, each row's request and position: the same in every layer
         q_lens, token_req, row = token_requests(meta.query_start_loc, query.shape[0])
         seq_lens = meta.seq_lens.long()[token_req]
         positions = torch.where(seq_lens > 0, seq_lens - q_lens[token_req] + row, torch.full_like(seq_lens, -1))
         blocks = -(-meta.max_seq_len // k_cache.shape[1])
-        rows = meta.derived[__name__] = meta.block_tables[token_req, :blocks], positions.to(torch.int32)
+        rows = meta.derived[__name__] = (meta.block_tables[:, :blocks], token_req.to(torch.int32),
+                                         positions.to(torch.int32))
     return row_attention(query, k_cache, v_cache, *rows, scale, sliding_window, softcap)

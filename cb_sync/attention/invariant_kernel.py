@@ -14,7 +14,8 @@ from .triton_kernels import _attend_range
 
 
 @triton.jit(do_not_specialize=["stride_qt", "stride_tt", "stride_ot"])
-def _row_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, stride_qt, stride_qh, stride_tt,
+def _row_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, row_tables_ptr, positions_ptr, out_ptr, stride_qt,
+                stride_qh, stride_tt,
                 stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_cd, scale, softcap, window, group,
                 block_size, head_dim, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
@@ -31,7 +32,8 @@ def _row_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_
     if HAS_WINDOW:
         lo = (tl.maximum(position - window + 1, 0) // BLOCK_N) * BLOCK_N
     hi = tl.maximum(position + 1, 0)
-    acc, m_i, l_i = _attend_range(q, k_cache_ptr, v_cache_ptr, tables_ptr + row * stride_tt, kv_head, lo, hi, hi,
+    table = tl.load(row_tables_ptr + row).to(tl.int64)
+    acc, m_i, l_i = _attend_range(q, k_cache_ptr, v_cache_ptr, tables_ptr + table * stride_tt, kv_head, lo, hi, hi,
                                   tl.zeros([BLOCK_G], dtype=tl.int32) + position, row_valid, scale, softcap, window,
                                   block_size, head_dim, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_G, BLOCK_N,
                                   BLOCK_D, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
@@ -40,9 +42,9 @@ def _row_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_
              mask=mask)
 
 
-def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_blocks: torch.Tensor,
-                  row_positions: torch.Tensor, scale: float, keys_per_block: int, sliding_window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  row_tables: torch.Tensor, row_positions: torch.Tensor, scale: float, keys_per_block: int,
+                  sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """`invariant.row_attention`'s contract; keys_per_block: keys per tile (a power of two >= 16).
     No host synchronisation: decode steps are captured."""
     num_rows, num_heads, head_dim = query.shape
@@ -52,11 +54,12 @@ def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty_like(query)
     if num_rows == 0:
         return out
-    tables = row_blocks.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    row_tables = row_tables.to(torch.int32).contiguous()
     positions = row_positions.to(torch.int32).contiguous()
     group = num_heads // num_kv_heads
     _row_kernel[(num_rows, num_kv_heads)](
-        query, k_cache, v_cache, tables, positions, out, query.stride(0), query.stride(1), tables.stride(0),
+        query, k_cache, v_cache, tables, row_tables, positions, out, query.stride(0), query.stride(1), tables.stride(0),
         out.stride(0), out.stride(1), *k_cache.stride(), scale, float(softcap or 0.0), int(sliding_window or 0), group,
         k_cache.shape[1], head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=keys_per_block,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window),

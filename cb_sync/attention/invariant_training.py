@@ -24,7 +24,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _paged(key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, block_size: int):
     """key/value [B, Hkv, T, D] in pages [B * pages, block_size, Hkv, D], each sequence's tokens at their positions;
-    with every token's page list [B * T, pages]."""
+    with each sequence's pages [B, pages] and each token's sequence [B * T]."""
     batch, heads, length, dim = key.shape
     pages = -(-length // block_size)
     k_pages = key.new_zeros(batch * pages * block_size, heads, dim)
@@ -33,9 +33,10 @@ def _paged(key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, bloc
     real = positions.flatten() >= 0
     k_pages[slots[real]] = key.transpose(1, 2).reshape(-1, heads, dim)[real]
     v_pages[slots[real]] = value.transpose(1, 2).reshape(-1, heads, dim)[real]
-    tables = torch.arange(batch * pages, device=key.device).view(batch, 1, pages).expand(batch, length, pages)
+    tables = torch.arange(batch * pages, device=key.device).view(batch, pages)
+    row_tables = torch.arange(batch, device=key.device).repeat_interleave(length)
     shape = (batch * pages, block_size, heads, dim)
-    return k_pages.view(shape), v_pages.view(shape), tables.reshape(batch * length, pages)
+    return k_pages.view(shape), v_pages.view(shape), tables, row_tables
 
 
 def _plain_attention(query, key, value, positions, scale, sliding_window, softcap):
@@ -64,9 +65,10 @@ class _InvariantAttention(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, positions)
         ctx.settings = scale, sliding_window, softcap
         batch, heads, length, dim = query.shape
-        k_pages, v_pages, tables = _paged(key, value, positions, block_size)
+        k_pages, v_pages, tables, row_tables = _paged(key, value, positions, block_size)
         rows = query.transpose(1, 2).reshape(batch * length, heads, dim)
-        out = row_attention(rows, k_pages, v_pages, tables, positions.flatten(), scale, sliding_window, softcap)
+        out = row_attention(rows, k_pages, v_pages, tables, row_tables, positions.flatten(), scale, sliding_window,
+                            softcap)
         return out.view(batch, length, heads, dim)
 
     @staticmethod

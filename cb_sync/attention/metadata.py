@@ -19,8 +19,8 @@ class AttnMetadata:
     seq_lens: int32 [R], each request's context length including this step's tokens; 0 marks a padded row.
     query_start_loc: int32 [R + 1], request r's queries are tokens query_start_loc[r]:query_start_loc[r + 1]
         (at least one: a padded row has one query); they sit at the last positions of its context.
-    max_query_len, max_seq_len: host-side bounds of the above (upper bounds suffice; the Triton backend reads
-        none, so a compiled step does not guard on them).
+    max_query_len, max_seq_len: host-side bounds of the above (upper bounds within the block tables' capacity,
+        max_blocks * block_size, suffice; the Triton backend reads none, so a compiled step does not guard on them).
     k_caches, v_caches: per layer, [num_blocks, block_size, num_kv_heads, head_dim].
     backend: module providing store_and_attend() (see attention/sdpa_paged.py).
     tuning: the Triton kernels' tile sizes.

@@ -1,6 +1,6 @@
 """Paged KV cache: block allocator, K/V pools, sizing."""
 
 from .block_allocator import BlockAllocator
-from .kv_cache import PagedKVCache, blocks_for, blocks_to_allocate, offsets_to_pools
+from .kv_cache import PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate, offsets_to_pools
 
-__all__ = ["BlockAllocator", "PagedKVCache", "blocks_for", "blocks_to_allocate", "offsets_to_pools"]
+__all__ = ["BlockAllocator", "PagedKVCache", "blocks_at_once", "blocks_for", "blocks_to_allocate", "offsets_to_pools"]

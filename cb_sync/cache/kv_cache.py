@@ -75,8 +75,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def blocks_to_allocate(request_tokens: list[int], block_size: int, capacity: int) -> int:
-    """Blocks covering every request's whole sequence at once, at most `capacity` (what max_cache_gib holds) but never
-    fewer than the largest single request needs (the caller has validated that one fits)."""
-    blocks = [blocks_for(n, block_size) for n in request_tokens]
-    return max(min(sum(blocks), capacity), max(blocks))
+def blocks_at_once(request_tokens: list[int], block_size: int, max_running: int) -> int:
+    """The most blocks the requests can hold at once: the whole sequences of the `max_running` longest."""
+    return sum(sorted((blocks_for(n, block_size) for n in request_tokens), reverse=True)[:max_running])
+
+
+def blocks_to_allocate(request_tokens: list[int], block_size: int, max_running: int, capacity: int) -> int:
+    """`blocks_at_once`, at most `capacity` (what max_cache_gib holds) but never fewer than the largest single request
+    needs (the caller has validated that one fits)."""
+    return max(min(blocks_at_once(request_tokens, block_size, max_running), capacity),
+               blocks_for(max(request_tokens), block_size))

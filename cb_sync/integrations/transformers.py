@@ -11,8 +11,8 @@ tokens (beams, repetition penalty, several return sequences, ...) raise ValueErr
 (output flags, cache and compile settings, beam-only settings while num_beams == 1, ...) are ignored.
 
 Of `ContinuousBatchingConfig` only `return_logprobs` and `seed` (one seed per call) are used: size cb_sync with the
-`CBConfig` given to `enable`. `persistent_manager=False` (the default) releases the KV cache after the call. Errors
-are raised, not logged."""
+`CBConfig` given to `enable`. `persistent_manager=False` (the default) releases the KV cache after the call and keeps
+the captured decode graphs (`disable` frees both). Errors are raised, not logged."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ..config import CBConfig, SamplingParams
 from ..driver import SyncCBDriver
+from ..validation import prompt_rows
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,11 @@ def enable(model: torch.nn.Module, config: CBConfig | None = None) -> torch.nn.M
     config = config if config is not None else CBConfig()
     if not isinstance(config, CBConfig):
         raise ValueError(f"config must be a CBConfig, got {type(config).__name__}")
-    if is_enabled(model):
-        disable(model)
     targets = [model]
     if hasattr(model, "get_base_model") and model.get_base_model() is not model:
         targets.append(model.get_base_model())
+    for target in targets:      # also a base model enabled before PEFT wrapped it: its driver and method go
+        disable(target)
     state = _State(model, config, targets)
     for target in targets:
         object.__setattr__(target, _STATE, state)
@@ -144,17 +145,19 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
     Extra keyword arguments: GenerationConfig field names (override `generation_config`), `return_logprobs`
     (bool) and `seed` (int: one seed for the call, each request derives its own). Anything else raises ValueError.
     `warmup` is accepted and ignored (graphs are captured on first use). Returns {"req_i": GenerationOutput}."""
-    if not inputs:
+    prompts = prompt_rows(inputs)
+    if not prompts:
         return {}
     if record_timestamps:
         raise ValueError("cb_sync's generate_batch does not record per-token timestamps (record_timestamps=True)")
-    return_logprobs = bool(kwargs.pop("return_logprobs", False))
+    return_logprobs = kwargs.pop("return_logprobs", False)
     seed = kwargs.pop("seed", None)
     if continuous_batching_config is not None:
-        return_logprobs = return_logprobs or bool(getattr(continuous_batching_config, "return_logprobs", False))
+        return_logprobs = return_logprobs or getattr(continuous_batching_config, "return_logprobs", False)
         seed = getattr(continuous_batching_config, "seed", None) if seed is None else seed
         _note_ignored_cb_fields(continuous_batching_config)
-    prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in inputs]
+    if not isinstance(return_logprobs, bool):
+        raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
     state = self.__dict__[_STATE]
     model = state.model if state.model is not None else self
     params = sampling_params_from_generation_config(model, generation_config, prompts, logprobs=return_logprobs,
@@ -165,7 +168,7 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
         results = driver.generate(prompts, params, progress_bar=progress_bar, seed=seed)
     finally:
         if not persistent_manager:
-            driver.release()
+            driver.release(keep_graphs=True)
     end = time.perf_counter()
     outputs = {}
     for result in results:

@@ -63,8 +63,9 @@ def step_columns(plan, block_size: int) -> StepColumns:
 class StepBuffers:
     """Device views `views[name]` of one byte buffer, fields at ALIGN-byte boundaries, and host mirrors (numpy) that
     `upload()` sends in one copy: input_ids, positions, slots [tokens]; seq_lens [requests]; query_start [requests +
-    1]; tables [requests, width]; keep [rows kept]; "sampling.<column>" [rows]. Two mirrors (pinned on CUDA) are used
-    in turn: one is filled again two uploads later, once the step that read it has been waited for."""
+    1]; tables [requests, width]; keep [rows kept]; "sampling.<column>" [rows]. With mirrors=2 (the replay's; pinned on
+    CUDA) they are used in turn: one is filled again two uploads later, once the step that read it has been waited
+    for."""
 
     def __init__(self, tokens: int, requests: int, width: int, kept: int, sampled: int, device: torch.device,
                  mirrors: int = 1):

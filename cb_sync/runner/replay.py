@@ -27,6 +27,7 @@ class DecodeReplay:
         self.max_batch = buckets[-1]
         self.graphs = DecodeGraphs(cache.device)
         self.width = 0                  # block table columns of the static buffers
+        self.recorded = None            # what this call's graphs record besides the forward (`begin_call`)
         self.latest = None              # the output launched last
         self.warmup_seconds = 0.0       # uncaptured first runs per bucket: compile, autotune, lazy init
 
@@ -40,8 +41,13 @@ class DecodeReplay:
         device, cache = self.cache.device.type, self.cache
         pools = ((cache.pool_offsets.data_ptr(),) if getattr(self.backend, "DECODE_FOLLOWS_POOLS", False)
                  else tuple(t.data_ptr() for t in (*cache.k_caches, *cache.v_caches)))
-        self.graphs.keep_if((model_fingerprint(modules), self.width, pools, torch.is_autocast_enabled(device),
-                             torch.get_autocast_dtype(device), getattr(self.forward, "active", None)))
+        self.recorded = (model_fingerprint(modules), self.width, pools, torch.is_autocast_enabled(device),
+                         torch.get_autocast_dtype(device))
+        self._keep_graphs_if_recorded()
+
+    def _keep_graphs_if_recorded(self) -> None:
+        """Keep the graphs only if they recorded this call's `recorded` state and the forward as it is now."""
+        self.graphs.keep_if((self.recorded, getattr(self.forward, "active", None)))
 
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
@@ -91,12 +97,13 @@ class DecodeReplay:
         self.warmup_seconds += time.perf_counter() - start
 
     def _capture_all(self, kind: SamplerKind) -> None:
-        """Warm up and capture every bucket for this sampler, largest first; all again uncompiled if a compile fails."""
+        """Warm up and capture every bucket for this sampler, largest first; all again uncompiled if a compile fails
+        (then, as after a compile that failed earlier in the call, the graphs the compiled forward recorded go)."""
+        self._keep_graphs_if_recorded()
         active = getattr(self.forward, "active", None)
         for bucket in reversed(self.buckets):
             self.warm_up(bucket, kind)
             if getattr(self.forward, "active", None) != active:
-                self.graphs.release()
                 return self._capture_all(kind)
             self.graphs.capture((bucket, kind), lambda b=bucket: self.decode_step(b, kind))
 
