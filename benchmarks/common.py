@@ -153,6 +153,12 @@ def write_results(name: str, rows: list[dict], table: str, out_dir: Path = RESUL
     (out_dir / f"{name}.md").write_text(table)
 
 
+def exit_code(rows: list[dict] | None) -> int:
+    """A benchmark's exit status: 1 where a row holds an error instead of a measurement (so that a script running
+    stages on a GPU machine reports it), else 0."""
+    return int(any("error" in row for row in rows or []))
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

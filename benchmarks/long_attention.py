@@ -22,11 +22,13 @@ a small prefill batch first.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, RESULTS, graph_us, markdown_table, write_results
+from benchmarks.common import (COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, RESULTS, exit_code, graph_us, markdown_table,
+                               write_results)
 from cb_sync.attention import sdpa_paged, triton_ops
 from cb_sync.tuning import AttentionTuning
 
@@ -133,6 +135,7 @@ def main(argv=None) -> list[dict]:
         if reason:
             rows.append({"variant": variant, "error": reason})
             print(rows[-1], flush=True)
+            report(rows, args)
         else:
             variants.append(variant)
     for batch in args.batches:
@@ -144,6 +147,7 @@ def main(argv=None) -> list[dict]:
                              "us": round(us, 1), "floor_us": round(floor_us, 1), "of_floor": round(floor_us / us, 3),
                              "step_ms": round(LAYERS * us / 1e3, 2), "width_tokens": args.width_tokens})
                 print(rows[-1], flush=True)
+                report(rows, args)
     for batch, tokens in args.prefills:
         for variant in (v for v in variants if v not in DECODE_ONLY):
             us = min(launch_us(variant, batch, tokens, tokens, args.width_tokens, 3) for _ in range(2))
@@ -151,6 +155,13 @@ def main(argv=None) -> list[dict]:
                          "tflop_per_s": round(prefill_tflops(batch, tokens, tokens) / us * 1e6, 1),
                          "step_ms": round(LAYERS * us / 1e3, 2), "width_tokens": args.width_tokens})
             print(rows[-1], flush=True)
+            report(rows, args)
+    print(report(rows, args))
+    return rows
+
+
+def report(rows: list[dict], args) -> str:
+    """Write the rows so far to <out>/<name>.json|md (after every row: a failure later keeps them); the table."""
     decode = [r for r in rows if r.get("kind") == "decode"]
     prefill = [r for r in rows if r.get("kind") == "prefill"]
     table = markdown_table(["variant", "batch", "context", "us a layer", "floor us", "of floor", "36 layers ms"],
@@ -162,9 +173,8 @@ def main(argv=None) -> list[dict]:
             [[r["variant"], r["batch"], r["context"], r["us"], r["tflop_per_s"], r["step_ms"]] for r in prefill])
     table += "".join(f"\n{r['variant']}: not run: {r['error']}\n" for r in rows if "error" in r)
     write_results(args.name, rows, table, args.out)
-    print(table)
-    return rows
+    return table
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))

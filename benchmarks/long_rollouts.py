@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (RESULTS, build_model, floor_seconds_per_step, gpu_state, grouped_bars, markdown_table,
-                               write_results)
+from benchmarks.common import (RESULTS, build_model, exit_code, floor_seconds_per_step, gpu_state, grouped_bars,
+                               markdown_table, write_results)
 from benchmarks import throughput
 from benchmarks.isolation import run_child
 from benchmarks.throughput import make_prompts
@@ -199,6 +199,7 @@ def run_all(args) -> list[dict]:
         left = None if stop is None else stop - time.monotonic()
         caps = args.max_cache_gib if engine in CB_ENGINES else [None]
         expected = [{"engine": engine, "batch": b, "lora": engine != "vllm_nolora", "sampler": args.sampler,
+                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      **({"max_cache_gib": cap} if cap else {})} for cap in caps for b in args.batches]
         if left is not None and left <= 0:
             rows += [{**row, "error": "not run: --time-limit used up"} for row in expected]
@@ -229,8 +230,12 @@ def merge(paths: list[str], name: str, out: Path) -> list[dict]:
 
 
 def _key(row: dict) -> tuple:
-    """What a row measured: engine, batch, sampler and, for cb_sync, its KV cap."""
-    return row["engine"], row["batch"], row.get("sampler"), row.get("max_cache_gib")
+    """What a row measured: engine, workload (batch, sampler, lengths) and, for cb_sync, its KV cap."""
+    return (row["engine"], *_workload(row), row.get("max_cache_gib"))
+
+
+def _workload(row: dict) -> tuple:
+    return row["batch"], row.get("sampler"), row.get("prompt_len"), row.get("new_tokens")
 
 
 def _label(row: dict) -> str:
@@ -250,18 +255,17 @@ def table(rows: list[dict]) -> str:
                           f"could not run: {row.get('error', 'no result')}"])
             continue
         ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}" for p in peers
-                  if row["engine"] in CB_ENGINES and p["batch"] == row["batch"]
-                  and p.get("sampler") == row.get("sampler")]
-        steps = " / ".join(str(row.get(f"ms_step_{c}", "-")) for c in CONTEXTS[:3])
-        floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS[:3])
+                  if row["engine"] in CB_ENGINES and _workload(p) == _workload(row)]
+        steps = " / ".join(str(row.get(f"ms_step_{c}", "-")) for c in CONTEXTS)
+        floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS)
         memory = row["peak_gib"] if row.get("card_held_gib") is None else (
             f"{row['card_held_gib']} held / {row['card_reserved_gib']} reserved")
         lines.append([_label(row), row.get("sampler", "-"), row["batch"], row["tok_per_s"], row["seconds"],
                       f"{row['pct_of_floor']}%" if row.get("pct_of_floor") is not None else "-", steps, floors,
                       memory, row.get("kv_gib", "-"), _preemptions(row), row.get("engine_start_s", "-"),
                       ", ".join(ratios) or "-"])
-    return markdown_table(["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k",
-                           "floor ms at 1k / 4k / 8k", "peak GiB", "KV GiB", "preemptions (tokens recomputed)",
+    return markdown_table(["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k / 16k",
+                           "floor ms at 1k / 4k / 8k / 16k", "peak GiB", "KV GiB", "preemptions (tokens recomputed)",
                            "engine start s", "vs peers (same machine)"], lines)
 
 
@@ -275,9 +279,10 @@ def _preemptions(row: dict) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     """Tok/s per engine (cb_sync: and KV cap) and batch; skipped without matplotlib."""
     rows = sorted(rows, key=lambda r: (r["engine"] in VLLM_ENGINES, r["engine"], -(r.get("max_cache_gib") or 0)))
+    lengths = " or ".join(sorted({f"{r.get('prompt_len', 1024):,}-token prompts, {r.get('new_tokens', 8192):,} new "
+                                  "tokens" for r in rows}))
     grouped_bars({_label(row): {r["batch"]: r["tok_per_s"] for r in rows if _label(r) == _label(row)}
-                  for row in rows}, path,
-                 "Workload L (Qwen3-4B shape + LoRA r32, 1,024-token prompts, 8,192 new tokens), one H200",
+                  for row in rows}, path, f"Workload L (Qwen3-4B shape + LoRA r32, {lengths}), one H200",
                  width_inches=9)
 
 
@@ -313,4 +318,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))

@@ -32,6 +32,7 @@
 #       --name long_rollouts
 # Stages of one call share its budget: a stage's time limit is a cap, and one that ends early leaves the rest.
 # CALL_BUDGET (seconds, default 570) bounds the whole call: each stage's time limit is what is left of it.
+# The call exits non-zero where a stage failed: a copy, an install, a benchmark that left a row unmeasured.
 # TP_ARGS / GRPO_ARGS are appended to the benchmarks' arguments (last, so they win: e.g. GRPO_ARGS="--workload G2
 # --model qwen3-1.7b --steps 5"; benchmarks.grpo hands --workload and --model on to the peers' own processes).
 set -o pipefail
@@ -112,7 +113,12 @@ long_rollouts() {  # NAME ENGINE...
     --time-limit $((limit - 30)) $LONG_ARGS
 }
 
+need_vllm() {  # a vLLM stage without vLLM installed fails here, not after its engine start
+  [ -f /tmp/vsite/vllm/__init__.py ] || { say "vLLM is not installed in /tmp/vsite: stage skipped"; return 1; }
+}
+
 run_stages() {
+  local status=0
   for stage in "$@"; do
     case "$stage" in
       copy[1-5]|copyq[1-4]|copyqr)
@@ -121,11 +127,9 @@ run_stages() {
       long_cb)
         long_rollouts long_rollouts_cb cb_sync_compiled ;;
       long_vllm)
-        site_vllm
-        long_rollouts long_rollouts_vllm vllm vllm_nolora ;;
+        site_vllm && need_vllm && long_rollouts long_rollouts_vllm vllm vllm_nolora ;;
       long_vllm_nolora)
-        site_vllm
-        long_rollouts long_rollouts_vllm_nolora vllm_nolora ;;
+        site_vllm && need_vllm && long_rollouts long_rollouts_vllm_nolora vllm_nolora ;;
       long_hf)
         long_rollouts long_rollouts_hf hf_generate hf_generate_static ;;
       long_attention)
@@ -134,11 +138,9 @@ run_stages() {
       tp_cb)
         throughput throughput_peers_cb cb_sync_compiled ;;
       tp_vllm)
-        site_vllm
-        throughput throughput_peers_vllm vllm vllm_nolora ;;
+        site_vllm && need_vllm && throughput throughput_peers_vllm vllm vllm_nolora ;;
       tp_all)
-        site_vllm
-        throughput throughput_peers cb_sync_compiled vllm vllm_nolora ;;
+        site_vllm && need_vllm && throughput throughput_peers cb_sync_compiled vllm vllm_nolora ;;
       grpo_cb)
         site_vllm
         grpo grpo_peers_cb --cb-compile --backends cb_sync ;;
@@ -154,10 +156,11 @@ run_stages() {
         site_vllm
         grpo grpo_peers --cb-compile --backends cb_sync trl_vllm trl_vllm_sleep ;;
       *) echo "unknown stage $stage" >&2; return 2 ;;
-    esac
+    esac || { status=1; say "stage $stage failed"; }
   done
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
-  say "done"
+  say "done (exit status $status)"
+  return $status
 }
 
 run_stages "$@" 2>&1 | tee -a "$OUT/peers_gpu.log"

@@ -17,13 +17,15 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, gpu_state, qwen3_4b_config, write_results
+from benchmarks.common import (RESULTS, build_model, exit_code, floor_seconds_per_step, gpu_state, qwen3_4b_config,
+                               write_results)
 from benchmarks.isolation import card_memory
 from benchmarks.throughput import REPEATS, _table, make_prompts
 
@@ -190,4 +192,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))

@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 
 from benchmarks import long_rollouts
+from benchmarks.common import exit_code
 
 
 def test_tiny_run_writes_a_row_per_batch(tmp_path):
@@ -72,3 +73,22 @@ def test_hf_generate_rows_and_the_ratio_to_them(tmp_path):
     assert {(r["engine"], r["batch"]) for r in rows if r.get("tok_per_s")} == {
         (e, b) for e in ("cb_sync", "hf_generate") for b in (2, 3)}
     assert "x hf_generate" in (tmp_path / "long_rollouts.md").read_text()
+
+
+def test_rows_of_other_completion_lengths_stay_apart(tmp_path):
+    """A merge of 8,192- and 16,384-token calls keeps both rows of a batch, and cb_sync's ratio is to the peer of
+    its own length only; a call that left a row unmeasured exits non-zero."""
+    def row(engine, new_tokens, tok_per_s=None):
+        measured = {"tok_per_s": tok_per_s, "seconds": 1, "peak_gib": 1} if tok_per_s else {"error": "stopped"}
+        return {"engine": engine, "batch": 8, "sampler": "greedy", "prompt_len": 1024, "new_tokens": new_tokens,
+                "lora": engine != "vllm_nolora", **measured}
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([row("cb_sync_compiled", 8192, 20.0), row("cb_sync_compiled", 16384, 30.0),
+                                row("vllm", 8192, 10.0), row("vllm", 16384, 60.0), row("vllm", 8192)]))
+    merged = long_rollouts.main(["--from-json", str(path), "--name", "m", "--out", str(tmp_path)])
+    assert [(r["engine"], r["new_tokens"], r.get("tok_per_s")) for r in merged] == [
+        ("cb_sync_compiled", 8192, 20.0), ("cb_sync_compiled", 16384, 30.0), ("vllm", 8192, 10.0),
+        ("vllm", 16384, 60.0)]
+    table = (tmp_path / "m.md").read_text()
+    assert "2.00x vllm" in table and "0.50x vllm" in table and "3.00x" not in table and "1.00x" not in table
+    assert exit_code(merged) == 0 and exit_code([row("vllm", 8192)]) == 1
