@@ -29,7 +29,7 @@ class _Ints:
 class AttentionTuning(_Ints):
     partition_size: int = 64          # smallest split-K partition of a decode step (tokens)
     max_partitions: int = 32          # a decode step splits a context into at most this many partitions
-    decode_programs_per_sm: int = 4   # split-K aims at this many (partition, request, kv head) programs per SM
+    decode_programs_per_sm: int = 3   # split-K aims at this many (partition, request, kv head) programs per SM
     decode_block_n: int = 64          # keys per decode tile (at most partition_size: a tile never spans two partitions)
     prefill_block_m: int = 64         # rows (queries x heads in group) per prefill program
     prefill_block_n: int = 64         # keys per prefill tile
