@@ -87,6 +87,18 @@ class ContextSteps:
     def preemptions(self) -> int:
         return sum(request.num_preemptions for request in self.requests.values())
 
+    def seconds_by_kind(self) -> dict[str, list]:
+        """[steps, seconds] per path and kind of step ("replay decode", "compiled mixed", "eager prefill", ...), each
+        step's time read to read: where a call's time went (a capped call's recompute steps among them)."""
+        totals = {}
+        for (prev, _), (out, _) in zip(self.steps, self.steps[1:]):
+            if out.read_at is not None and prev.read_at is not None:
+                decodes = sum(chunk.length == 1 for chunk in out.plan)
+                kind = "decode" if decodes == len(out.plan) else "prefill" if not decodes else "mixed"
+                count, seconds = totals.get(f"{out.path} {kind}", (0, 0.0))
+                totals[f"{out.path} {kind}"] = (count + 1, seconds + out.read_at - prev.read_at)
+        return {key: [count, round(seconds, 2)] for key, (count, seconds) in sorted(totals.items())}
+
 
 def sampling_params(sampler: str, new_tokens: int):
     from cb_sync import SamplingParams
@@ -129,6 +141,7 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
         row = _row(engine, batch, args, seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
         row.update(warmup_s=round(warmup_s, 1), kv_gib=round(driver.cache.nbytes / 2**30, 2),
                    preemptions=steps.preemptions(), recomputed_tokens=steps.recomputed, max_cache_gib=cap,
+                   seconds_by_kind=steps.seconds_by_kind(),
                    **{f"ms_step_{c}": steps.ms_at(c) for c in CONTEXTS if c <= length},
                    **{f"floor_ms_{c}": round(step_floor_ms(batch, c), 3) for c in CONTEXTS if c <= length},
                    **gpu_state())

@@ -29,6 +29,9 @@ def test_a_kv_cap_below_the_batch_preempts_and_loses_no_request(tmp_path):
     assert [(r["max_cache_gib"], r["batch"]) for r in rows] == [(1.0, 2), (1.0, 3), (0.00004, 2), (0.00004, 3)]
     assert rows[0]["preemptions"] == rows[1]["preemptions"] == 0 and rows[3]["preemptions"] > 0
     assert all((r["recomputed_tokens"] > 0) == (r["preemptions"] > 0) for r in rows), rows
+    kinds = rows[3]["seconds_by_kind"]                   # the capped call recomputes: prefill or mixed steps
+    assert any(k.endswith("decode") for k in kinds) and any(k.endswith(("prefill", "mixed")) for k in kinds)
+    assert all(count > 0 and seconds >= 0 for count, seconds in kinds.values())
     assert "cap 4e-05 GiB" in (tmp_path / "long_rollouts.md").read_text()
 
 
