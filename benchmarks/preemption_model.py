@@ -6,13 +6,20 @@ LoRA prefill measured 359 ms on the H200, NOTES attempt 10). Rows: the cap, its 
 recomputed, predicted seconds and tok/s, and the share of the uncapped prediction. A prediction to check against
 `long_rollouts --max-cache-gib`, not a measurement.
 
+`--step-times FILE` replaces the roofline with a clock fitted to measured decode steps: the uncapped cb_sync rows of
+a `long_rollouts` json (their median step at 1k / 4k / 8k of context), ms = a + b x requests + c x KV GB read.
+
     python -m benchmarks.preemption_model [--batch 64] [--caps 96 48 32 16] [--prompt-len 1024] [--new-tokens 8192]
+        [--step-times benchmarks/results/long_rollouts_l4.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+
+import numpy as np
 from types import SimpleNamespace
 
 from benchmarks.common import (COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, LORA_BYTES, RESULTS, WEIGHT_BYTES, markdown_table,
@@ -27,8 +34,29 @@ PREFILL_S_PER_TOKEN = 0.359 / 16384
 BLOCK_SIZE = 16
 
 
-def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_batch_tokens: int) -> dict:
-    """One call through the Scheduler against `cap_gib` of KV blocks; distinct prompts (no prefix shared)."""
+def roofline_ms(requests: int, kv_gb: float) -> float:
+    """A decode step at its floor: the weights, the adapter and the requests' KV read once at the copy bandwidth."""
+    return 1e3 * ((WEIGHT_BYTES + LORA_BYTES) / COPY_BANDWIDTH + kv_gb * 1e9 / COPY_BANDWIDTH)
+
+
+def fitted_clock(path: Path):
+    """ms = a + b x requests + c x KV GB, least squares over the uncapped cb_sync rows' measured steps in `path` (a
+    long_rollouts json): the step time as a function of what a replayed step holds. Returns (clock, coefficients)."""
+    points = [(row["batch"], row["batch"] * int(key.rsplit("_", 1)[1]) * KV_BYTES_PER_TOKEN / 1e9, row[key])
+              for row in json.loads(Path(path).read_text())
+              if row.get("engine", "").startswith("cb_sync") and not row.get("preemptions") and row.get("tok_per_s")
+              for key in row if key.startswith("ms_step_") and row[key] is not None]
+    if len(points) < 3:
+        raise ValueError(f"{path}: {len(points)} measured decode steps of uncapped cb_sync rows, at least 3 needed")
+    design = np.array([[1.0, requests, kv_gb] for requests, kv_gb, _ in points])
+    a, b, c = np.linalg.lstsq(design, np.array([ms for *_, ms in points]), rcond=None)[0]
+    return (lambda requests, kv_gb: a + b * requests + c * kv_gb), (round(a, 4), round(b, 5), round(c, 5))
+
+
+def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_batch_tokens: int,
+           step_ms=roofline_ms) -> dict:
+    """One call through the Scheduler against `cap_gib` of KV blocks; distinct prompts (no prefix shared); a step's
+    decode rows cost step_ms(requests, KV GB), its prefilled tokens PREFILL_S_PER_TOKEN each."""
     num_blocks = int(cap_gib * 2**30) // (KV_BYTES_PER_TOKEN * BLOCK_SIZE)
     scheduler = Scheduler(BlockAllocator(num_blocks), BLOCK_SIZE, max_batch_tokens, batch, prefix_sharing=False)
     params = SamplingParams(max_new_tokens=new_tokens, eos_token_id=[])
@@ -43,7 +71,7 @@ def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_bat
         prefilled = sum(chunk.length for chunk in plan if chunk.length > 1)
         fed(SimpleNamespace(plan=plan))
         context = sum(chunk.start + chunk.length for chunk in plan)
-        seconds += ((WEIGHT_BYTES + LORA_BYTES + KV_BYTES_PER_TOKEN * context) / COPY_BANDWIDTH
+        seconds += (step_ms(len(plan), KV_BYTES_PER_TOKEN * context / 1e9) / 1e3
                     + prefilled * PREFILL_S_PER_TOKEN)
         sampled = [chunk.request for chunk in plan if chunk.samples]
         scheduler.update(plan, sampled, [0] * len(sampled), [0.0] * len(sampled))
@@ -60,10 +88,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=8192)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--step-times", type=Path, default=None, metavar="JSON",
+                        help="a long_rollouts json: the decode clock fitted to its uncapped cb_sync steps")
     parser.add_argument("--name", default="preemption_model")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    rows = [replay(args.batch, args.prompt_len, args.new_tokens, cap, args.max_batch_tokens) for cap in args.caps]
+    clock, clock_name = roofline_ms, "roofline"
+    if args.step_times is not None:
+        clock, coefficients = fitted_clock(args.step_times)
+        clock_name = f"ms = {coefficients[0]} + {coefficients[1]} x requests + {coefficients[2]} x KV GB"
+    rows = [{**replay(args.batch, args.prompt_len, args.new_tokens, cap, args.max_batch_tokens, clock),
+             "clock": clock_name} for cap in args.caps]
     uncapped = max(rows, key=lambda r: r["tok_per_s"])["tok_per_s"]
     for row in rows:
         row["of_best"] = round(row["tok_per_s"] / uncapped, 3)
@@ -71,6 +106,7 @@ def main(argv=None) -> list[dict]:
                             "predicted tok/s", "of the best cap"],
                            [[f"{r['cap_gib']:g}", r["blocks"], r["steps"], r["preemptions"],
                              f"{r['recomputed_tokens']:,}", r["seconds"], r["tok_per_s"], r["of_best"]] for r in rows])
+    table += f"\nDecode clock: {clock_name}.\n"
     write_results(args.name, rows, table, args.out)
     print(table)
     return rows
