@@ -138,7 +138,8 @@ def _token_ids(name: str, ids, allow_single: bool = True):
 def as_int(value) -> int | None:
     """An int from Python's or numpy's ints or a 0-d integer tensor, never from a bool; None for anything else."""
     if isinstance(value, torch.Tensor):
-        integral = value.ndim == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        integral = value.ndim == 0 and not (value.is_floating_point() or value.is_complex()
+                                            or value.dtype == torch.bool)
         return int(value) if integral else None
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
 

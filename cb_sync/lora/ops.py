@@ -31,7 +31,8 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
                       lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scalings: list[float],
                       compute_dtype: torch.dtype, tuning: list[int]) -> list[torch.Tensor]:
     """x @ weights[i]^T (+ biases[i]) + scalings[i] * B_i(A_i(x)); see `kernels.lora_linear_group`."""
-    return kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, scalings, compute_dtype, _tuning(tuple(tuning)))
+    return kernels.lora_linear_group(x, weights, biases, lora_as, lora_bs, scalings, compute_dtype,
+                                     _tuning(tuple(tuning)))
 
 
 @lora_linear_group.register_fake
