@@ -63,7 +63,12 @@ def build_model(lora: bool, tiny: bool = False, device: str = "cuda", dtype=torc
 
 def floor_seconds_per_step(batch: int, context: int, lora: bool) -> float:
     """Bandwidth floor of one decode step: weights (+ adapter) + the batch's KV read once."""
-    return (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + KV_BYTES_PER_TOKEN * batch * context) / COPY_BANDWIDTH
+    return floor_seconds(KV_BYTES_PER_TOKEN * batch * context, lora)
+
+
+def floor_seconds(kv_bytes: float, lora: bool) -> float:
+    """Bandwidth floor of one decode step that reads kv_bytes of KV: those and the weights (+ adapter), once."""
+    return (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + kv_bytes) / COPY_BANDWIDTH
 
 
 def cuda_seconds(fn) -> float:

@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 from types import SimpleNamespace
 
-from benchmarks.common import (COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, LORA_BYTES, RESULTS, WEIGHT_BYTES, markdown_table,
-                               write_results)
+from benchmarks.common import KV_BYTES_PER_TOKEN, RESULTS, floor_seconds, markdown_table, write_results
 from benchmarks.long_rollouts import ContextSteps
 from cb_sync.cache import BlockAllocator
 from cb_sync.config import SamplingParams
@@ -36,7 +35,7 @@ BLOCK_SIZE = 16
 
 def roofline_ms(requests: int, kv_gb: float) -> float:
     """A decode step at its floor: the weights, the adapter and the requests' KV read once at the copy bandwidth."""
-    return 1e3 * ((WEIGHT_BYTES + LORA_BYTES) / COPY_BANDWIDTH + kv_gb * 1e9 / COPY_BANDWIDTH)
+    return 1e3 * floor_seconds(kv_gb * 1e9, lora=True)
 
 
 def fitted_clock(path: Path):
