@@ -68,7 +68,7 @@ class ContextSteps:
         self.clear()
 
     def clear(self) -> None:
-        self.steps, self.requests, self.furthest, self.recomputed = [], {}, {}, 0
+        self.steps, self.kv_tokens, self.requests, self.furthest, self.recomputed = [], [], {}, {}, 0
 
     def __call__(self, output) -> None:
         for chunk in output.plan:
@@ -77,12 +77,28 @@ class ContextSteps:
             self.recomputed += max(0, min(end, self.furthest.get(key, 0)) - chunk.start)
             self.furthest[key] = max(end, self.furthest.get(key, 0))
         self.steps.append((output, max(chunk.start + chunk.length for chunk in output.plan)))
+        self.kv_tokens.append(sum(chunk.start + chunk.length for chunk in output.plan))
 
     def ms_at(self, context: int) -> float | None:
         times = [1e3 * (out.read_at - prev.read_at) for (prev, _), (out, ctx) in zip(self.steps, self.steps[1:])
                  if out.path == prev.path == "replay" and abs(ctx - context) <= CONTEXT_WINDOW
                  and out.read_at is not None and prev.read_at is not None]
         return round(statistics.median(times), 3) if times else None
+
+    def decode_by_batch(self) -> dict[str, list]:
+        """[steps, seconds, mean requests, mean KV tokens] of the pure-decode steps per running batch (1, 2-3, 4-7,
+        ...): the mean step at each size, to set against a step clock (one linear in requests and KV tokens predicts
+        a bucket's mean step from its means)."""
+        buckets = {}
+        for (prev, _), (out, _), kv in zip(self.steps, self.steps[1:], self.kv_tokens[1:]):
+            if out.read_at is None or prev.read_at is None or any(chunk.length != 1 for chunk in out.plan):
+                continue
+            low = 1 << (len(out.plan).bit_length() - 1)
+            totals = buckets.setdefault((low, 2 * low - 1), [0, 0.0, 0, 0])
+            for i, value in enumerate((1, out.read_at - prev.read_at, len(out.plan), kv)):
+                totals[i] += value
+        return {(f"{low}" if low == high else f"{low}-{high}"): [n, round(s, 3), round(r / n, 2), round(kv / n)]
+                for (low, high), (n, s, r, kv) in sorted(buckets.items())}
 
     def preemptions(self) -> int:
         return sum(request.num_preemptions for request in self.requests.values())
@@ -141,7 +157,7 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
         row = _row(engine, batch, args, seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
         row.update(warmup_s=round(warmup_s, 1), kv_gib=round(driver.cache.nbytes / 2**30, 2),
                    preemptions=steps.preemptions(), recomputed_tokens=steps.recomputed, max_cache_gib=cap,
-                   seconds_by_kind=steps.seconds_by_kind(),
+                   seconds_by_kind=steps.seconds_by_kind(), decode_by_batch=steps.decode_by_batch(),
                    **{f"ms_step_{c}": steps.ms_at(c) for c in CONTEXTS if c <= length},
                    **{f"floor_ms_{c}": round(step_floor_ms(batch, c), 3) for c in CONTEXTS if c <= length},
                    **gpu_state())

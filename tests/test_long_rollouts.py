@@ -49,6 +49,15 @@ def test_step_times_are_read_to_read_near_each_context():
     assert steps.ms_at(8192) is None
 
 
+def test_decode_steps_are_bucketed_by_running_batch():
+    steps, chunks = long_rollouts.ContextSteps(), lambda *ends: [SimpleNamespace(request=object(), start=e - 1,
+                                                                                   length=1) for e in ends]
+    for at, plan in [(0.0, chunks(9)), (0.002, chunks(10)), (0.005, chunks(10, 20, 30)), (0.009, chunks(11, 21)),
+                     (0.010, [SimpleNamespace(request=object(), start=0, length=4)] + chunks(12))]:
+        steps(SimpleNamespace(path="replay", read_at=at, plan=plan))
+    assert steps.decode_by_batch() == {"1": [1, 0.002, 1.0, 10], "2-3": [2, 0.007, 2.5, 46]}
+
+
 def test_recomputed_tokens_count_what_a_request_feeds_again_below_its_furthest_position():
     steps, request, other = long_rollouts.ContextSteps(), object(), object()
     for chunks in ([(request, 0, 10), (other, 0, 4)], [(request, 10, 1), (other, 4, 1)], [(other, 5, 1)],
