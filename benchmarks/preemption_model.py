@@ -3,7 +3,8 @@
 roofline: a step reads the weights, the adapter and its requests' KV once at the card's copy bandwidth, and a token
 it prefills (a prompt, or one recomputed after preemption) costs PREFILL_S_PER_TOKEN (16,384 tokens of Qwen3-4B +
 LoRA prefill measured 359 ms on the H200, NOTES attempt 10). Rows: the cap, its blocks, steps, preemptions, tokens
-recomputed, predicted seconds and tok/s, and the share of the uncapped prediction. A prediction to check against
+recomputed, predicted seconds and tok/s, the share of the uncapped prediction, and (json) the predicted seconds by
+step kind and of the decode steps by running batch, as `long_rollouts` measures them. A prediction to check against
 `long_rollouts --max-cache-gib`, not a measurement.
 
 `--step-times FILE` replaces the roofline with a clock fitted to measured decode steps: the uncapped cb_sync rows of
@@ -68,16 +69,17 @@ def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_bat
         if not plan:
             raise ValueError(f"a cap of {cap_gib} GiB ({num_blocks} blocks) cannot hold one request")
         prefilled = sum(chunk.length for chunk in plan if chunk.length > 1)
-        fed(SimpleNamespace(plan=plan))
         context = sum(chunk.start + chunk.length for chunk in plan)
         seconds += (step_ms(len(plan), KV_BYTES_PER_TOKEN * context / 1e9) / 1e3
                     + prefilled * PREFILL_S_PER_TOKEN)
+        fed(SimpleNamespace(plan=plan, path="replay", read_at=seconds))
         sampled = [chunk.request for chunk in plan if chunk.samples]
         scheduler.update(plan, sampled, [0] * len(sampled), [0.0] * len(sampled))
         steps += 1
     return {"batch": batch, "cap_gib": cap_gib, "blocks": num_blocks, "steps": steps,
             "preemptions": sum(r.num_preemptions for r in requests), "recomputed_tokens": fed.recomputed,
-            "seconds": round(seconds, 1), "tok_per_s": round(batch * new_tokens / seconds, 1)}
+            "seconds": round(seconds, 1), "tok_per_s": round(batch * new_tokens / seconds, 1),
+            "seconds_by_kind": fed.seconds_by_kind(), "decode_by_batch": fed.decode_by_batch()}
 
 
 def main(argv=None) -> list[dict]:

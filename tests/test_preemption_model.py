@@ -18,6 +18,10 @@ def test_a_cap_below_the_batch_preempts_recomputes_and_costs_time():
     assert (roomy["steps"], roomy["preemptions"], roomy["recomputed_tokens"]) == (40, 0, 0)
     assert tight["preemptions"] > 0 and tight["recomputed_tokens"] > 0
     assert tight["steps"] > roomy["steps"] and tight["tok_per_s"] < roomy["tok_per_s"]
+    kinds, by_batch = roomy["seconds_by_kind"], roomy["decode_by_batch"]   # read to read: the first step uncounted
+    assert kinds["replay decode"][0] == 39 and sum(n for n, _, _, _ in by_batch.values()) == 39
+    assert abs(sum(s for _, s in kinds.values()) - sum(s for _, s, _, _ in by_batch.values())) < 1e-2
+    assert set(by_batch) == {"2-3"} and "1" in tight["decode_by_batch"]       # preempted down to one request
 
 
 def test_a_cap_that_cannot_hold_one_request_is_a_value_error():
