@@ -8,7 +8,10 @@ step kind and of the decode steps by running batch, as `long_rollouts` measures 
 `long_rollouts --max-cache-gib`, not a measurement.
 
 `--step-times FILE` replaces the roofline with a clock fitted to measured decode steps: the uncapped cb_sync rows of
-a `long_rollouts` json (their median step at 1k / 4k / 8k of context), ms = a + b x requests + c x KV GB read.
+a `long_rollouts` json (their median step at 1k / 4k / 8k of context), ms = a + b x requests + c x KV GB, where the KV
+is priced as the decode kernel spends it: requests x the longest request's context (it splits every request's context
+into the same number of partitions, so the longest request's partitions set the step). In an uncapped call every
+context is the same; in a capped one the running requests' contexts differ.
 
     python -m benchmarks.preemption_model [--batch 64] [--caps 96 48 32 16] [--prompt-len 1024] [--new-tokens 8192]
         [--step-times benchmarks/results/long_rollouts_l4.json]
@@ -34,14 +37,16 @@ PREFILL_S_PER_TOKEN = 0.359 / 16384
 BLOCK_SIZE = 16
 
 
-def roofline_ms(requests: int, kv_gb: float) -> float:
-    """A decode step at its floor: the weights, the adapter and the requests' KV read once at the copy bandwidth."""
-    return 1e3 * floor_seconds(kv_gb * 1e9, lora=True)
+def roofline_ms(contexts: list[int]) -> float:
+    """A decode step at its floor: the weights, the adapter and the requests' KV (`contexts`: each request's tokens)
+    read once at the copy bandwidth."""
+    return 1e3 * floor_seconds(sum(contexts) * KV_BYTES_PER_TOKEN, lora=True)
 
 
 def fitted_clock(path: Path):
     """ms = a + b x requests + c x KV GB, least squares over the uncapped cb_sync rows' measured steps in `path` (a
-    long_rollouts json): the step time as a function of what a replayed step holds. Returns (clock, coefficients)."""
+    long_rollouts json). Returns (clock, coefficients); the clock prices a step's `contexts` (each request's tokens)
+    with KV GB = requests x the longest context, as the decode kernel's partitions spend it."""
     points = [(row["batch"], row["batch"] * int(key.rsplit("_", 1)[1]) * KV_BYTES_PER_TOKEN / 1e9, row[key])
               for row in json.loads(Path(path).read_text())
               if row.get("engine", "").startswith("cb_sync") and not row.get("preemptions") and row.get("tok_per_s")
@@ -50,13 +55,15 @@ def fitted_clock(path: Path):
         raise ValueError(f"{path}: {len(points)} measured decode steps of uncapped cb_sync rows, at least 3 needed")
     design = np.array([[1.0, requests, kv_gb] for requests, kv_gb, _ in points])
     a, b, c = np.linalg.lstsq(design, np.array([ms for *_, ms in points]), rcond=None)[0]
-    return (lambda requests, kv_gb: a + b * requests + c * kv_gb), (round(a, 4), round(b, 5), round(c, 5))
+    def clock(contexts: list[int]) -> float:
+        return a + b * len(contexts) + c * len(contexts) * max(contexts) * KV_BYTES_PER_TOKEN / 1e9
+    return clock, (round(a, 4), round(b, 5), round(c, 5))
 
 
 def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_batch_tokens: int,
            step_ms=roofline_ms) -> dict:
     """One call through the Scheduler against `cap_gib` of KV blocks; distinct prompts (no prefix shared); a step's
-    decode rows cost step_ms(requests, KV GB), its prefilled tokens PREFILL_S_PER_TOKEN each."""
+    decode rows cost step_ms(each request's context), its prefilled tokens PREFILL_S_PER_TOKEN each."""
     num_blocks = int(cap_gib * 2**30) // (KV_BYTES_PER_TOKEN * BLOCK_SIZE)
     scheduler = Scheduler(BlockAllocator(num_blocks), BLOCK_SIZE, max_batch_tokens, batch, prefix_sharing=False)
     params = SamplingParams(max_new_tokens=new_tokens, eos_token_id=[])
@@ -69,8 +76,7 @@ def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_bat
         if not plan:
             raise ValueError(f"a cap of {cap_gib} GiB ({num_blocks} blocks) cannot hold one request")
         prefilled = sum(chunk.length for chunk in plan if chunk.length > 1)
-        context = sum(chunk.start + chunk.length for chunk in plan)
-        seconds += (step_ms(len(plan), KV_BYTES_PER_TOKEN * context / 1e9) / 1e3
+        seconds += (step_ms([chunk.start + chunk.length for chunk in plan]) / 1e3
                     + prefilled * PREFILL_S_PER_TOKEN)
         fed(SimpleNamespace(plan=plan, path="replay", read_at=seconds))
         sampled = [chunk.request for chunk in plan if chunk.samples]
@@ -97,7 +103,8 @@ def main(argv=None) -> list[dict]:
     clock, clock_name = roofline_ms, "roofline"
     if args.step_times is not None:
         clock, coefficients = fitted_clock(args.step_times)
-        clock_name = f"ms = {coefficients[0]} + {coefficients[1]} x requests + {coefficients[2]} x KV GB"
+        clock_name = (f"ms = {coefficients[0]} + {coefficients[1]} x requests + {coefficients[2]} x KV GB (requests x "
+                      "the longest context)")
     rows = [{**replay(args.batch, args.prompt_len, args.new_tokens, cap, args.max_batch_tokens, clock),
              "clock": clock_name} for cap in args.caps]
     uncapped = max(rows, key=lambda r: r["tok_per_s"])["tok_per_s"]

@@ -43,8 +43,9 @@ def test_a_clock_fitted_to_measured_steps_prices_the_replay(tmp_path):
     path.write_text(json.dumps(rows))
     clock, coefficients = preemption_model.fitted_clock(path)
     assert coefficients == pytest.approx((2.0, 0.05, 0.3), abs=1e-4)
-    assert clock(16, 3.0) == pytest.approx(2.0 + 0.8 + 0.9)
-    one_second = preemption_model.replay(3, 8, 40, _gib(9), 64, lambda requests, kv_gb: 1000.0)
+    assert clock([4096] * 16) == pytest.approx(plane(16, 4096))
+    assert clock([4096, 1024, 10]) == pytest.approx(plane(3, 4096))     # the longest context sets the KV term
+    one_second = preemption_model.replay(3, 8, 40, _gib(9), 64, lambda contexts: 1000.0)
     assert one_second["seconds"] == 40.0                # 40 steps of 1 s (and 24 prefilled tokens, ~0.5 ms)
     path.write_text(json.dumps(rows[2:]))
     with pytest.raises(ValueError, match="at least 3 needed"):
