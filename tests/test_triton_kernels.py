@@ -107,10 +107,10 @@ def test_decode_splits_each_context_into_the_grids_partitions(block_n):
 
 
 @pytest.mark.parametrize("factor", [2, 3])
-def test_decode_balanced_spans_split_long_contexts_more(factor):
-    """Balanced spans: one span for the step from its total context, so the 1,000-token requests take more of the
-    grid's partitions than the short ones (an even share of 10 partitions a request: 7 requests x 2 kv heads at 132
-    programs; the grid factor x that, within the 32 partitions of 32 tokens that cover the tables)."""
+def test_decode_with_balanced_spans_matches_the_reference(factor):
+    """Balanced spans, one for the step from its total context, over contexts from 1,000 tokens to 1 and a padded
+    row: the even share is 10 partitions a request (7 requests x 2 kv heads at 132 programs), the grid factor x that
+    within the 32 partitions of 32 tokens that cover the tables; the output equals the reference, twice."""
     torch.manual_seed(7)
     seq_lens = [1000, 1, 0, 257, 513, 999, 64]
     batch = make_batch([1] * len(seq_lens), seq_lens, 4, 2, head_dim=32, spare_blocks=1)
