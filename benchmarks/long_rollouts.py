@@ -59,7 +59,8 @@ def call_floor_s(batch: int, prompt_len: int, new_tokens: int, lora: bool = True
 
 
 class ContextSteps:
-    """A driver observer: for every step, its path, when it was read and the longest context among its requests;
+    """A driver observer: for every step, its path, when it was read, the longest context among its requests and
+    their KV tokens;
     `ms_at(context)`: the median time of replayed steps near that context (each step's read minus the read before);
     the requests it saw (for their preemptions) and `recomputed`, the tokens fed again below a request's furthest
     position already computed (what preemption cost)."""
@@ -68,7 +69,7 @@ class ContextSteps:
         self.clear()
 
     def clear(self) -> None:
-        self.steps, self.kv_tokens, self.requests, self.furthest, self.recomputed = [], [], {}, {}, 0
+        self.steps, self.requests, self.furthest, self.recomputed = [], {}, {}, 0
 
     def __call__(self, output) -> None:
         for chunk in output.plan:
@@ -76,11 +77,11 @@ class ContextSteps:
             self.requests[key] = chunk.request
             self.recomputed += max(0, min(end, self.furthest.get(key, 0)) - chunk.start)
             self.furthest[key] = max(end, self.furthest.get(key, 0))
-        self.steps.append((output, max(chunk.start + chunk.length for chunk in output.plan)))
-        self.kv_tokens.append(sum(chunk.start + chunk.length for chunk in output.plan))
+        ends = [chunk.start + chunk.length for chunk in output.plan]
+        self.steps.append((output, max(ends), sum(ends)))                 # the longest context, the KV tokens
 
     def ms_at(self, context: int) -> float | None:
-        times = [1e3 * (out.read_at - prev.read_at) for (prev, _), (out, ctx) in zip(self.steps, self.steps[1:])
+        times = [1e3 * (out.read_at - prev.read_at) for (prev, *_), (out, ctx, _) in zip(self.steps, self.steps[1:])
                  if out.path == prev.path == "replay" and abs(ctx - context) <= CONTEXT_WINDOW
                  and out.read_at is not None and prev.read_at is not None]
         return round(statistics.median(times), 3) if times else None
@@ -90,7 +91,7 @@ class ContextSteps:
         ...): the mean step at each size, to set against a step clock (one linear in requests and KV tokens predicts
         a bucket's mean step from its means)."""
         buckets = {}
-        for (prev, _), (out, _), kv in zip(self.steps, self.steps[1:], self.kv_tokens[1:]):
+        for (prev, *_), (out, _, kv) in zip(self.steps, self.steps[1:]):
             if out.read_at is None or prev.read_at is None or any(chunk.length != 1 for chunk in out.plan):
                 continue
             low = 1 << (len(out.plan).bit_length() - 1)
@@ -107,7 +108,7 @@ class ContextSteps:
         """[steps, seconds] per path and kind of step ("replay decode", "compiled mixed", "eager prefill", ...), each
         step's time read to read: where a call's time went (a capped call's recompute steps among them)."""
         totals = {}
-        for (prev, _), (out, _) in zip(self.steps, self.steps[1:]):
+        for (prev, *_), (out, *_) in zip(self.steps, self.steps[1:]):
             if out.read_at is not None and prev.read_at is not None:
                 decodes = sum(chunk.length == 1 for chunk in out.plan)
                 kind = "decode" if decodes == len(out.plan) else "prefill" if not decodes else "mixed"
