@@ -159,12 +159,13 @@ def main(argv=None) -> list[dict]:
         else:
             variants.append(variant)
     for batch, context, spread in ((b, c, s) for b in args.batches for c in args.contexts for s in args.spreads):
-        floor_us = 1e6 * sum(spread_contexts(batch, context, spread)) * KV_BYTES_PER_TOKEN / LAYERS / COPY_BANDWIDTH
+        contexts = spread_contexts(batch, context, spread)
+        floor_us = 1e6 * sum(contexts) * KV_BYTES_PER_TOKEN / LAYERS / COPY_BANDWIDTH
         for variant in variants:
             us = min(launch_us(variant, batch, 1, context, args.width_tokens, args.launches, spread)
                      for _ in range(2))
             rows.append({"kind": "decode", "variant": variant, "batch": batch, "context": context, "spread": spread,
-                         "longest": max(spread_contexts(batch, context, spread)), "us": round(us, 1),
+                         "longest": max(contexts), "us": round(us, 1),
                          "floor_us": round(floor_us, 1), "of_floor": round(floor_us / us, 3),
                          "step_ms": round(LAYERS * us / 1e3, 2), "width_tokens": args.width_tokens})
             print(rows[-1], flush=True)
