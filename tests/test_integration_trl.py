@@ -5,15 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
-from trl import GRPOConfig, GRPOTrainer
 
-from cb_sync import CBConfig, SyncCBDriver
-from cb_sync.integrations.transformers import disable, enable
-from cb_sync.integrations import trl as trl_integration
-from cb_sync.integrations.trl import CBSyncGRPOTrainer
+pytest.importorskip("datasets")
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from cb_sync import CBConfig, SyncCBDriver  # noqa: E402
+from cb_sync.integrations.transformers import disable, enable  # noqa: E402
+from cb_sync.integrations import trl as trl_integration  # noqa: E402
+from cb_sync.integrations.trl import CBSyncGRPOTrainer  # noqa: E402
 
 VOCAB = 128
 STEPS = 3

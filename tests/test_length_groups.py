@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
-from trl import GRPOTrainer
 
-from cb_sync import CBConfig
-from cb_sync.integrations import length_groups
-from cb_sync.integrations.length_groups import by_length, left_padded, padding_columns, right_extended
-from cb_sync.integrations.trl import CBSyncGRPOTrainer
+pytest.importorskip("trl")
 
-from test_integration_trl import dataset, even_fraction, grpo_args, logged, tiny_model, tokenizer
+from transformers import AutoModelForCausalLM, GPT2Config  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from cb_sync import CBConfig  # noqa: E402
+from cb_sync.integrations import length_groups  # noqa: E402
+from cb_sync.integrations.length_groups import by_length, left_padded, padding_columns, right_extended  # noqa: E402
+from cb_sync.integrations.trl import CBSyncGRPOTrainer  # noqa: E402
+
+from test_integration_trl import dataset, even_fraction, grpo_args, logged, tiny_model, tokenizer  # noqa: E402
 
 
 def _padded_rows(prompt_lengths, completion_lengths, prompt_width, completion_width, gen):
