@@ -13,11 +13,9 @@ head dim a query-key pair) per second; which backend is faster there decides wha
 
 Variants: `triton` (cb_sync's kernels, the default tuning), `triton_pps3` / `triton_pps8` / `triton_pps16` (split-K
 aiming at 3 / 8 / 16 programs an SM, decode only; 3 keeps batch 8, 32 and 64's grids within one wave of 4 programs
-an SM: 448, 512 and 512 programs), `triton_balanced` (one span of keys for every request of a decode step, up to
-twice the even share of partitions a request: `AttentionTuning.balanced_partition_factor=2`, decode only), and
-`flash` (flash-attn 4's paged kernels, one split in decode: it has no split-KV path on sm90; skipped with its reason
-where it cannot run). Each is checked against sdpa_paged on a small decode batch, one of spread contexts and a small
-prefill batch first.
+an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, one split in decode: it has no split-KV
+path on sm90; skipped with its reason where it cannot run). Each is checked against sdpa_paged on a small decode and
+a small prefill batch first.
 
     python -m benchmarks.long_attention [--batches 8 32 64] [--contexts 1024 4096 8192 16384] [--variants ...]
         [--prefills 16x1024 2x8192]
@@ -39,10 +37,9 @@ from cb_sync.tuning import AttentionTuning
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 32, 8, 128, 16, 36
 TUNINGS = {"triton": AttentionTuning(), "triton_pps3": AttentionTuning(decode_programs_per_sm=3),
            "triton_pps8": AttentionTuning(decode_programs_per_sm=8),
-           "triton_pps16": AttentionTuning(decode_programs_per_sm=16),
-           "triton_balanced": AttentionTuning(balanced_partition_factor=2)}
+           "triton_pps16": AttentionTuning(decode_programs_per_sm=16)}
 VARIANTS = (*TUNINGS, "flash")
-DECODE_ONLY = ("triton_pps3", "triton_pps8", "triton_pps16", "triton_balanced")
+DECODE_ONLY = ("triton_pps3", "triton_pps8", "triton_pps16")
 
 
 def spread_contexts(batch: int, context: int, spread: float) -> list[int]:

@@ -33,10 +33,6 @@ class AttentionTuning(_Ints):
     decode_block_n: int = 64          # keys per decode tile (at most partition_size: a tile never spans two partitions)
     prefill_block_m: int = 64         # rows (queries x heads in group) per prefill program
     prefill_block_n: int = 64         # keys per prefill tile
-    # 1: a decode step splits every request's context into the same number of partitions (the longest request's set
-    # the step); k > 1: one span of keys for every request, from the step's total context, a request taking up to k
-    # times the even share of partitions (for batches whose contexts differ)
-    balanced_partition_factor: int = 1
 
     def __post_init__(self):
         self._check(("partition_size", "decode_block_n", "prefill_block_m", "prefill_block_n"), smallest=1)

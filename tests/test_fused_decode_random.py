@@ -47,14 +47,12 @@ def random_case(rng: random.Random) -> dict:
     return dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=rng.choice([8, 16, 24, 32, 40, 64, 80, 128]),
                 block_size=block_size, width=width, seq_lens=seq_lens, partition_size=partition_size,
                 block_n=rng.choice([16, 32, 64]), window=rng.choice([None, None, 1, 2, 7, 16, 33, 100]),
-                softcap=rng.choice([None, None, 0.5, 3.0, 30.0]), skip=[rng.random() < 0.2 for _ in seq_lens],
-                balance=rng.choice([1, 1, 2, 3]))
+                softcap=rng.choice([None, None, 0.5, 3.0, 30.0]), skip=[rng.random() < 0.2 for _ in seq_lens])
 
 
 def run_case(seed: int) -> None:
     case = random_case(random.Random(seed))
-    tuning = AttentionTuning(partition_size=case["partition_size"], decode_block_n=case["block_n"],
-                             balanced_partition_factor=case["balance"])
+    tuning = AttentionTuning(partition_size=case["partition_size"], decode_block_n=case["block_n"])
     gen = torch.Generator().manual_seed(seed)
     bs, width, seq_lens = case["block_size"], case["width"], case["seq_lens"]
     hq, hkv, d, num_reqs = case["num_heads"], case["num_kv_heads"], case["head_dim"], len(seq_lens)

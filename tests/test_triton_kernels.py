@@ -106,23 +106,6 @@ def test_decode_splits_each_context_into_the_grids_partitions(block_n):
     assert (check(batch, tuning=tuning)[2] == 0).all()
 
 
-@pytest.mark.parametrize("factor", [2, 3])
-def test_decode_with_balanced_spans_matches_the_reference(factor):
-    """Balanced spans, one for the step from its total context, over contexts from 1,000 tokens to 1 and a padded
-    row: the even share is 10 partitions a request (7 requests x 2 kv heads at 132 programs), the grid factor x that
-    within the 32 partitions of 32 tokens that cover the tables; the output equals the reference, twice."""
-    torch.manual_seed(7)
-    seq_lens = [1000, 1, 0, 257, 513, 999, 64]
-    batch = make_batch([1] * len(seq_lens), seq_lens, 4, 2, head_dim=32, spare_blocks=1)
-    tuning = AttentionTuning(partition_size=32, decode_programs_per_sm=1, balanced_partition_factor=factor)
-    width = batch["block_tables"].shape[1] * 16
-    share = triton_kernels.decode_partitions(width, 14, torch.device(DEVICE), tuning)
-    assert share == 10 and triton_kernels.balanced_grid_partitions(share, width, tuning) == min(10 * factor, 32)
-    out = check(batch, tuning=tuning)
-    assert (out[2] == 0).all()
-    assert torch.equal(out, check(batch, tuning=tuning))             # the arrival counters left at zero
-
-
 def test_decode_default_partition_and_block_size_32():
     torch.manual_seed(2)
     check(make_batch([1, 1, 1], [300, 45, 0], block_size=32, spare_blocks=9))

@@ -92,30 +92,26 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, lo, hi, kv_en
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_reqs", "share_partitions"])
+@triton.jit
 def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_ptr, slot_ptr, block_tables_ptr,
                    seq_lens_ptr, query_start_loc_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                    stride_ot, stride_oh, stride_od, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
                    num_heads, num_kv_heads, num_partitions, max_context, scale, softcap, window, group, block_size,
-                   head_dim, num_reqs, share_partitions, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
-                   MIN_PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+                   head_dim, MIN_PARTITION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, STORE: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
                    POOLS_BY_OFFSET: tl.constexpr, POOL_ALIGN: tl.constexpr):
     """Program (partition, request, kv head): attention of the request's one query, all heads of the group, over keys
     [partition * span, +span), where span splits the request's own context into num_partitions parts (whole BLOCK_N
-    tiles, at least MIN_PARTITION keys): a long context keeps every program of the grid busy, whatever the block table's
-    width. BALANCED: one span for every request instead, the step's total context over share_partitions partitions a
-    request (and no less than its longest context over num_partitions), so a request takes partitions in proportion to
-    its context and the longest no longer sets the step. With STORE, the partition that holds the query's position first
-    writes the step's key and value into the cache (slots < 0 are skipped). With one partition the program writes the
-    output; with several it writes unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the
-    request's last partition to arrive combines them, in partition order, into the output. Partitions at or past seq_len
-    neither store nor arrive (a padded row, seq_len 0, gets zeros from its first partition). With POOLS_BY_OFFSET the
-    caches lie at the two offsets stored at pools_ptr, read at run time, from pools_ptr itself (k_cache_ptr and
-    v_cache_ptr give only their type); the offsets keep its 16-byte alignment (POOL_ALIGN elements): the tile loads stay
-    vectorised."""
+    tiles, at least MIN_PARTITION keys): a long context keeps every program of the grid busy, whatever the block
+    table's width. With STORE, the partition that holds the query's position first writes the step's key and value
+    into the cache (slots < 0 are skipped). With one partition the program writes the output; with several it writes
+    unnormalised partials (m in log2 units, l, acc) and counts its arrival, and the request's last partition to arrive
+    combines them, in partition order, into the output. Partitions at or past seq_len neither store nor arrive (a
+    padded row, seq_len 0, gets zeros from its first partition). With POOLS_BY_OFFSET the caches lie
+    at the two offsets stored at pools_ptr, read at run time, from pools_ptr itself (k_cache_ptr and v_cache_ptr give
+    only their type); the offsets keep its 16-byte alignment (POOL_ALIGN elements): the tile loads stay vectorised."""
     if POOLS_BY_OFFSET:
         anchor = pools_ptr.to(tl.pointer_type(k_cache_ptr.dtype.element_ty), bitcast=True)
         k_cache_ptr = anchor + tl.multiple_of(tl.load(pools_ptr), POOL_ALIGN)
@@ -123,11 +119,7 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_pt
     part, req, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_context)    # keys past the block table are never read
     q_tok = tl.load(query_start_loc_ptr + req)
-    if BALANCED:
-        span = _balanced_span(seq_lens_ptr, num_reqs, max_context, num_partitions, share_partitions, BLOCK_N, BLOCK_R)
-    else:
-        span = tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N
-    span = tl.maximum(span, MIN_PARTITION)
+    span = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N, MIN_PARTITION)
     part_start = part * span
     rows = tl.arange(0, BLOCK_M)
     g = rows % BLOCK_G
@@ -172,19 +164,6 @@ def _decode_kernel(q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, pools_pt
             tl.atomic_xchg(counter, 0)                          # zero again for the next launch
             _combine_partitions(out_ptr + out_offs, m_ptr, l_ptr, acc_ptr, (req * num_heads + heads) * num_partitions,
                                 used, q_mask, row_valid, d, head_dim, BLOCK_M, BLOCK_D, BLOCK_P)
-
-
-@triton.jit
-def _balanced_span(seq_lens_ptr, num_reqs, max_context, num_partitions, share_partitions, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
-    """Keys a partition for every request of the step, in whole BLOCK_N tiles: the step's context over
-    share_partitions partitions a running request, widened where the longest context would need more than
-    num_partitions."""
-    r = tl.arange(0, BLOCK_R)
-    lens = tl.minimum(tl.load(seq_lens_ptr + r, mask=r < num_reqs, other=0), max_context)
-    running = tl.maximum(tl.sum((lens > 0).to(tl.int32)), 1)
-    share = tl.cdiv(tl.sum(lens), share_partitions * running)
-    return tl.maximum(tl.cdiv(share, BLOCK_N), tl.cdiv(tl.cdiv(tl.max(lens), num_partitions), BLOCK_N)) * BLOCK_N
 
 
 @triton.jit
@@ -326,15 +305,6 @@ def decode_partitions(max_context: int, num_programs: int, device: torch.device,
     return max(1, min(tuning.max_partitions, wanted, triton.cdiv(max_context, tuning.partition_size)))
 
 
-def balanced_grid_partitions(share: int, max_context: int, tuning: AttentionTuning) -> int:
-    """The grid's partitions a request under balanced spans: balanced_partition_factor x the even `share`, so a
-    request up to that many times the step's mean context takes its own share of keys a partition (within
-    max_partitions and the partitions of tuning.partition_size keys that cover max_context; never below share)."""
-    most = min(tuning.balanced_partition_factor * share, tuning.max_partitions,
-               triton.cdiv(max_context, tuning.partition_size))
-    return max(share, most)
-
-
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -358,9 +328,7 @@ def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_heads, head_dim = query.shape[1:]
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    share = decode_partitions(max_context, num_reqs * num_kv_heads, query.device, tuning)
-    balanced = tuning.balanced_partition_factor > 1
-    num_partitions = balanced_grid_partitions(share, max_context, tuning) if balanced else share
+    num_partitions = decode_partitions(max_context, num_reqs * num_kv_heads, query.device, tuning)
     block_n = min(tuning.decode_block_n, tuning.partition_size)
     m = query.new_empty((num_reqs, num_heads, num_partitions), dtype=torch.float32)
     l = torch.empty_like(m)
@@ -371,9 +339,8 @@ def _decode(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         query, key, value, k_cache, v_cache, k_cache if pool_offsets is None else pool_offsets, slots, block_tables,
         seq_lens, query_start_loc, out, m, l, acc, arrivals,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
-        num_heads, num_kv_heads, num_partitions, max_context, num_reqs=num_reqs if balanced else 0,
-        share_partitions=share if balanced else 0, BALANCED=balanced,
-        BLOCK_R=triton.next_power_of_2(num_reqs) if balanced else 1, MIN_PARTITION=tuning.partition_size,
+        num_heads, num_kv_heads, num_partitions, max_context,
+        MIN_PARTITION=tuning.partition_size,
         BLOCK_M=max(16, common["BLOCK_G"]), BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(num_partitions),
         STORE=new_kv is not None, POOLS_BY_OFFSET=pool_offsets is not None, POOL_ALIGN=16 // k_cache.element_size(),
         num_warps=4, **common)
