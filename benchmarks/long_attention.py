@@ -14,8 +14,8 @@ head dim a query-key pair) per second; which backend is faster there decides wha
 Variants: `triton` (cb_sync's kernels, the default tuning), `triton_pps3` / `triton_pps8` / `triton_pps16` (split-K
 aiming at 3 / 8 / 16 programs an SM, decode only; 3 keeps batch 8, 32 and 64's grids within one wave of 4 programs
 an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, one split in decode: it has no split-KV
-path on sm90; skipped with its reason where it cannot run). Each is checked against sdpa_paged on a small decode and
-a small prefill batch first.
+path on sm90; skipped with its reason where it cannot run). Each is checked against sdpa_paged on a small decode
+batch, one of spread contexts and a small prefill batch first.
 
     python -m benchmarks.long_attention [--batches 8 32 64] [--contexts 1024 4096 8192 16384] [--variants ...]
         [--prefills 16x1024 2x8192]
