@@ -145,8 +145,8 @@ def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.
                    vocab: int) -> torch.Tensor:
     """Index of max(scores + Gumbel noise) per row: a draw from softmax(scores). token_ids: the ids of scores'
     columns [S, N], None for the vocabulary in order. Where the columns are the whole vocabulary, each id is hashed
-    once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work. On CUDA, one
-    launch (`gumbel_kernel`) draws the same noise."""
+    once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work. On CUDA, the
+    Triton kernel of `gumbel_kernel` draws the same noise."""
     if _kernel_draws(scores):
         from .gumbel_kernel import gumbel_argmax     # Triton: a GPU install's (`cb_sync[gpu]`), imported where used
         return gumbel_argmax(scores, batch.seeds, batch.positions, token_ids)

@@ -153,11 +153,15 @@ def test_vocabulary_hashed_once_draws_the_same_noise(draw_path):
         assert torch.equal(_gumbel_argmax(scores[:, :ids.shape[1]], batch, given, vocab), expected)
 
 
-def test_kernel_draw_equals_torch_draw(monkeypatch):
+@pytest.mark.parametrize("split_columns", [8192, 1024])
+def test_kernel_draw_equals_torch_draw(monkeypatch, split_columns):
     """The Triton draw against torch's on fresh random rows: whole rows in several column blocks, token ids given,
-    rows masked to -inf, exact ties (the first column wins), negative and 64-bit seeds."""
+    rows masked to -inf, NaNs, exact ties (the first column wins), negative and 64-bit seeds; each row drawn by one
+    program, or split across programs (1,024 columns each) and combined, ties and NaNs in different splits."""
     import cb_sync.sampling as sampling
+    from cb_sync import gumbel_kernel
     from cb_sync.gumbel_kernel import gumbel_argmax
+    monkeypatch.setattr(gumbel_kernel, "SPLIT_COLUMNS", split_columns)
     seed = int(torch.randint(0, 2 ** 31, ()))
     gen = torch.Generator().manual_seed(seed)
     for rows, columns, with_ids in ((6, 2500, False), (9, 64, True), (4, 1500, True)):
@@ -173,8 +177,8 @@ def test_kernel_draw_equals_torch_draw(monkeypatch):
         expected = sampling._gumbel_argmax(scores, batch, ids, 150_000 if with_ids else columns)
         assert torch.equal(gumbel_argmax(scores, seeds, positions, ids), expected), f"seed {seed}"
         assert expected[2] == 0 and expected[3] == columns // 3
-    tied = torch.full((3, 300), float("-inf"))
-    tied[:, [5, 9]] = float("inf")                               # +inf plus any noise: a tie, the first column wins
+    tied = torch.full((3, 2500), float("-inf"))
+    tied[:, [5, 9, 2000]] = float("inf")                         # +inf plus any noise: a tie, the first column wins
     assert gumbel_argmax(tied, torch.arange(3), torch.zeros(3, dtype=torch.int64), None).tolist() == [5, 5, 5]
 
 
