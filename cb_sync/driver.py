@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from .attention import invariant, sdpa_paged, select_backend
 from .batch_invariant import check_model, invariant_ops
-from .cache import BlockAllocator, PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate
+from .cache import (STEP_HEADROOM_BYTES, BlockAllocator, PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate,
+                    device_room)
 from .config import CBConfig, SamplingParams
 from .graphs import decode_buckets
 from .lora import invariant_tuning, kernel_row_limit, lora_kernels
@@ -109,8 +110,8 @@ class SyncCBDriver:
             return []
         self._follow_model()
         cfg = self.config
-        capacity = self._capacity_blocks()
-        check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity)
+        capacity, limit = self._capacity_blocks()
+        check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity, limit)
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_positions for r in requests], cfg.block_size,
                                                           cfg.max_batch_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
@@ -127,22 +128,20 @@ class SyncCBDriver:
                 self.runner.replay.begin_call(max(blocks_for(r.max_positions, cfg.block_size) for r in requests),
                                               modules)
             self._run(requests, bar)
-        self._note_preemptions(requests)
+        self._note_preemptions(requests, limit)
         return [GenerationResult.of(r) for r in requests]
 
-    def _note_preemptions(self, requests: list[Request]) -> None:
-        """A warning on the log where the cache was too small for the call: what it needed, what it held."""
+    def _note_preemptions(self, requests: list[Request], limit: str) -> None:
+        """A warning on the log where the cache was too small for the call: what it needed, what it held, why."""
         preemptions = sum(r.num_preemptions for r in requests)
         if not preemptions:
             return
         gib = self.cache.bytes_per_block / 2**30
         needed = blocks_at_once([r.max_positions for r in requests], self.config.block_size,
                                 self.config.max_batch_size) * gib
-        limit = (f"num_blocks={self.config.num_blocks}" if self.config.num_blocks is not None
-                 else f"max_cache_gib={self.config.max_cache_gib:g}")
         logger.warning("%d preemptions: the call's %d requests need up to %.3g GiB of KV cache at once, the cache "
-                       "held %.3g GiB (CBConfig %s). A preempted request is recomputed from its prompt and the "
-                       "tokens it had sampled (none lost, time lost): raise the cap where memory allows.",
+                       "held %.3g GiB (%s). A preempted request is recomputed from its prompt and the tokens it had "
+                       "sampled (none lost, time lost): give the cache more memory where it can have it.",
                        preemptions, len(requests), needed, self.cache.num_blocks * gib, limit)
 
     def _lora_tuning(self) -> LoraTuning | None:
@@ -197,7 +196,18 @@ class SyncCBDriver:
             bar.update(request.params.max_new_tokens - len(request.output))
         bar.update(live)
 
-    def _capacity_blocks(self) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        return int(self.config.max_cache_gib * 2**30) // self.cache.bytes_per_block
+    def _capacity_blocks(self) -> tuple[int, str]:
+        """The most KV blocks this call may allocate, and what sets that limit: CBConfig's num_blocks or
+        max_cache_gib, or on a GPU with less free memory than the cap, that memory (`device_room`): the call then
+        preempts instead of running out of memory."""
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks, f"CBConfig num_blocks={cfg.num_blocks}"
+        cap = int(cfg.max_cache_gib * 2**30)
+        room = device_room(self.device, self.cache.nbytes)
+        if room is not None and room < cap:
+            return room // self.cache.bytes_per_block, (
+                f"the GPU's free memory, {room / 2**30:.3g} GiB for the cache after "
+                f"{STEP_HEADROOM_BYTES / 2**30:g} GiB kept for a step, below CBConfig max_cache_gib="
+                f"{cfg.max_cache_gib:g}")
+        return cap // self.cache.bytes_per_block, f"CBConfig max_cache_gib={cfg.max_cache_gib:g}"

@@ -75,10 +75,10 @@ def _check_prompt(index: int, tokens: Sequence, vocab_size: int) -> list[int]:
     return ids
 
 
-def check_fits(requests: list[Request], text_config, block_size: int, capacity: int) -> None:
+def check_fits(requests: list[Request], text_config, block_size: int, capacity: int, limit: str) -> None:
     """ValueError for a request longer than the model's learned positions or than the whole cache (`capacity`
-    blocks); a warning past a rotary model's max_position_embeddings, as HF generate's. A request feeds
-    len(prompt) + max_new_tokens - 1 positions: its last token is never fed back."""
+    blocks, set by `limit`); a warning past a rotary model's max_position_embeddings, as HF generate's. A request
+    feeds len(prompt) + max_new_tokens - 1 positions: its last token is never fed back."""
     learned = learned_position_limit(text_config)
     rotary = None if learned is not None else getattr(text_config, "max_position_embeddings", None)
     for request in requests:
@@ -93,7 +93,7 @@ def check_fits(requests: list[Request], text_config, block_size: int, capacity: 
         needed = blocks_for(request.max_positions, block_size)
         if needed > capacity:
             raise ValueError(f"{prefix} needs {needed} KV blocks of {block_size} tokens, but the cache "
-                             f"holds at most {capacity}")
+                             f"holds at most {capacity} ({limit})")
 
 
 def learned_position_limit(text_config) -> int | None:

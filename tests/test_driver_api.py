@@ -375,3 +375,36 @@ def test_numpy_token_ids_are_accepted(kwargs):
     params = SamplingParams(**converted)
     for key, value in kwargs.items():
         assert getattr(params, key) == value and type(getattr(params, key)) is type(value)
+
+
+def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_out(model, monkeypatch, caplog):
+    """Where the device's free memory (`device_room`) is below max_cache_gib, the cache takes what is free and the
+    call preempts, its tokens those of a roomy call; a request that cannot fit that memory raises, naming it."""
+    import cb_sync.driver as driver_module
+    prompts, params = random_prompts([30] * 4), SamplingParams(max_new_tokens=40)
+    roomy = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64)).generate(prompts, params)
+    driver = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64))
+    rooms = []
+    monkeypatch.setattr(driver_module, "device_room",
+                        lambda device, held: rooms.append(held) or 24 * driver.cache.bytes_per_block + 5)
+    with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
+        results = driver.generate(prompts, params)
+    assert driver.cache.num_blocks == 24 and rooms == [0]
+    message = caplog.records[0].getMessage()
+    assert re.match(r"[1-9]\d* preemptions: ", message) and "(the GPU's free memory, " in message, message
+    assert "after 2 GiB kept for a step, below CBConfig max_cache_gib=16)" in message, message
+    assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
+    with pytest.raises(ValueError, match=r"needs 25 KV blocks of 4 tokens, but the cache holds at most 24 \(the GPU's"):
+        driver.generate(random_prompts([60]), params)
+    assert rooms == [0, 24 * driver.cache.bytes_per_block]
+
+
+def test_device_room_counts_free_unused_and_held_memory_less_the_headroom(monkeypatch):
+    from cb_sync.cache import STEP_HEADROOM_BYTES, device_room
+    assert device_room(torch.device("cpu"), 10 ** 9) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * 2**30)
+    assert device_room(torch.device("cuda", 0), 2**30) == 5 * 2**30 - STEP_HEADROOM_BYTES
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 80 * 2**30))
+    assert device_room(torch.device("cuda", 0), 0) == 0

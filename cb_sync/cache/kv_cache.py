@@ -71,6 +71,20 @@ def offsets_to_pools(rows: torch.Tensor, k_caches: list[torch.Tensor], v_caches:
     return torch.tensor(offsets, dtype=torch.int64).view(-1, 2)
 
 
+STEP_HEADROOM_BYTES = 2 * 2**30    # left free for a step's activations and workspaces: the Qwen3-4B shape with
+                                   # LoRA took ~1.3 GiB beside its weights and KV at 16,384 tokens a step
+
+
+def device_room(device: torch.device, held_bytes: int) -> int | None:
+    """Bytes KV pools may take on `device` now: its free memory, what torch's allocator holds unused and `held_bytes`
+    (the pools that a new allocation replaces), less STEP_HEADROOM_BYTES; None off CUDA, where no limit is known."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(0, free + unused + held_bytes - STEP_HEADROOM_BYTES)
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
