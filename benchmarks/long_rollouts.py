@@ -16,7 +16,8 @@ below the batch's need forces them; several caps: a row for each cap and batch, 
 a replayed decode step at contexts of 1k / 4k / 8k tokens, and 16k where prompt + new tokens reach it (steps within
 64 tokens of each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves.
 `hf_generate` and `hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled
-by `generate`, its first call timed apart), greedy, one timed call a batch.
+by `generate` in a first call that stops after 16 tokens, the timed call's cache length, timed apart), greedy, one
+timed call a batch.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def run_hf_generate(engine: str, model, prompts: dict, args, on_row) -> list[dic
     for batch in args.batches:
         try:
             seconds, peak, extra = throughput.run_hf_generate(model, prompts[batch], args.new_tokens,
-                                                              static=engine == "hf_generate_static")
+                                                              static=engine == "hf_generate_static",
+                                                              warmup_tokens=WARMUP_TOKENS)
             rows.append({**_row(engine, batch, args, seconds, peak), **extra, **gpu_state()})
         except Exception as error:
             rows.append({"engine": engine, "batch": batch, "lora": True, "sampler": args.sampler,

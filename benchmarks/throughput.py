@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.common import (RESULTS, build_model, floor_seconds_per_step, gpu_state, grouped_bars, markdown_table,
                                write_results)
@@ -118,9 +119,20 @@ class StepTimes(list):
                 "outside_steps_s": round(seconds - replay_s - sum(eager), 3)}
 
 
-def run_hf_generate(model, prompts, new_tokens, static=False):
+class StopAfter(StoppingCriteria):
+    """Stops every row once the sequences are `length` tokens long: a warm-up call that keeps the call's cache
+    length (so its compiled shapes) but decodes only a few tokens."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
+
+def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None):
     """HF `generate` with its dynamic cache, or with a static cache (which `generate` compiles: timed warm, after
-    a first call that compiles for this batch size)."""
+    a first call that compiles for this batch size; warmup_tokens: that call stops after so many new tokens)."""
     ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
@@ -128,8 +140,10 @@ def run_hf_generate(model, prompts, new_tokens, static=False):
     with torch.no_grad():
         if static:
             kwargs["cache_implementation"] = "static"
-            first, *_ = _timed(lambda: model.generate(ids, **kwargs))
+            stop = [StopAfter(ids.shape[1] + warmup_tokens)] if warmup_tokens else []
+            first, *_ = _timed(lambda: model.generate(ids, stopping_criteria=StoppingCriteriaList(stop), **kwargs))
             extra["first_call_s"] = round(first, 2)
+            extra["first_call_tokens"] = warmup_tokens or new_tokens
         seconds, peak, gc_s = _timed(lambda: model.generate(ids, **kwargs))
     return seconds, peak, {**extra, "gc_s": round(gc_s, 4)}
 

@@ -104,3 +104,18 @@ def test_rows_of_other_completion_lengths_stay_apart(tmp_path):
     table = (tmp_path / "m.md").read_text()
     assert "2.00x vllm" in table and "0.50x vllm" in table and "3.00x" not in table and "1.00x" not in table
     assert exit_code(merged) == 0 and exit_code([row("vllm", 8192)]) == 1
+
+
+def test_the_static_cache_warm_up_call_stops_early_at_the_timed_calls_cache_length(monkeypatch):
+    """HF `generate` with a static cache: the first (compiling) call keeps max_new_tokens, so the cache length and
+    the compiled shapes of the timed call, but stops after warmup_tokens; the timed call decodes them all."""
+    import torch
+    from benchmarks import throughput
+    from benchmarks.common import build_model
+    model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
+    calls, generate = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda ids, **kwargs: calls.append((kwargs, generate(ids, **kwargs)))
+                        or calls[-1][1])
+    _, _, extra = throughput.run_hf_generate(model, [list(range(1, 9))] * 2, 12, static=True, warmup_tokens=3)
+    assert [out.shape for _, out in calls] == [(2, 11), (2, 20)] and extra["first_call_tokens"] == 3
+    assert all(kwargs["max_new_tokens"] == 12 and kwargs["cache_implementation"] == "static" for kwargs, _ in calls)
