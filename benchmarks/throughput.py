@@ -143,7 +143,7 @@ def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None
             stop = [StopAfter(ids.shape[1] + warmup_tokens)] if warmup_tokens else []
             first, *_ = _timed(lambda: model.generate(ids, stopping_criteria=StoppingCriteriaList(stop), **kwargs))
             extra["first_call_s"] = round(first, 2)
-            extra["first_call_tokens"] = warmup_tokens or new_tokens
+            extra["first_call_tokens"] = min(warmup_tokens or new_tokens, new_tokens)
         seconds, peak, gc_s = _timed(lambda: model.generate(ids, **kwargs))
     return seconds, peak, {**extra, "gc_s": round(gc_s, 4)}
 

@@ -205,8 +205,8 @@ class SyncCBDriver:
             return cfg.num_blocks, f"CBConfig num_blocks={cfg.num_blocks}"
         cap = int(cfg.max_cache_gib * 2**30)
         room = device_room(self.device, self.cache.nbytes)
-        if room is not None and room < cap:
-            return room // self.cache.bytes_per_block, (
+        if room is not None and room < cap:     # the pools held now serve the call whatever is free
+            return max(room // self.cache.bytes_per_block, self.cache.num_blocks), (
                 f"the GPU's free memory, {room / 2**30:.3g} GiB for the cache after "
                 f"{STEP_HEADROOM_BYTES / 2**30:g} GiB kept for a step, below CBConfig max_cache_gib="
                 f"{cfg.max_cache_gib:g}")

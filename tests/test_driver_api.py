@@ -379,14 +379,15 @@ def test_numpy_token_ids_are_accepted(kwargs):
 
 def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_out(model, monkeypatch, caplog):
     """Where the device's free memory (`device_room`) is below max_cache_gib, the cache takes what is free and the
-    call preempts, its tokens those of a roomy call; a request that cannot fit that memory raises, naming it."""
+    call preempts, its tokens those of a roomy call; a request that cannot fit that memory raises, naming it; the
+    pools already held serve a call whatever is free; where the memory exceeds the cap, the cap rules."""
     import cb_sync.driver as driver_module
     prompts, params = random_prompts([30] * 4), SamplingParams(max_new_tokens=40)
     roomy = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64)).generate(prompts, params)
     driver = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64))
-    rooms = []
+    per_block, rooms, room = driver.cache.bytes_per_block, [], {"blocks": 24}
     monkeypatch.setattr(driver_module, "device_room",
-                        lambda device, held: rooms.append(held) or 24 * driver.cache.bytes_per_block + 5)
+                        lambda device, held: rooms.append(held) or room["blocks"] * per_block + 5)
     with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
         results = driver.generate(prompts, params)
     assert driver.cache.num_blocks == 24 and rooms == [0]
@@ -396,7 +397,15 @@ def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_ou
     assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
     with pytest.raises(ValueError, match=r"needs 25 KV blocks of 4 tokens, but the cache holds at most 24 \(the GPU's"):
         driver.generate(random_prompts([60]), params)
-    assert rooms == [0, 24 * driver.cache.bytes_per_block]
+    room["blocks"] = 10                                   # less free than the pools hold: they still serve the call
+    prompt = random_prompts([56])[0]                      # 56 + 40 - 1 positions: 24 blocks of 4
+    assert driver.generate([prompt], params)[0].token_ids == hf_greedy(model, prompt, 40)
+    room["blocks"] = 10 ** 9                              # more free than the cap: the cap's blocks, and its name
+    capped_by_config = SyncCBDriver(model, CBConfig(block_size=4, max_cache_gib=0.0001))
+    monkeypatch.setattr(driver_module, "device_room", lambda device, held: room["blocks"] * per_block)
+    with pytest.raises(ValueError, match=r"but the cache holds at most \d+ \(CBConfig max_cache_gib=0.0001\)"):
+        capped_by_config.generate(random_prompts([int(0.0001 * 2**30 / per_block) * 4 + 1]), params)
+    assert rooms == [0, 24 * per_block, 24 * per_block]
 
 
 def test_device_room_counts_free_unused_and_held_memory_less_the_headroom(monkeypatch):
@@ -405,6 +414,7 @@ def test_device_room_counts_free_unused_and_held_memory_less_the_headroom(monkey
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * 2**30)
-    assert device_room(torch.device("cuda", 0), 2**30) == 5 * 2**30 - STEP_HEADROOM_BYTES
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"inactive_split_bytes.all.current": 2**29})
+    assert device_room(torch.device("cuda", 0), 2**30) == 5 * 2**30 - 2**29 - STEP_HEADROOM_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 80 * 2**30))
     assert device_room(torch.device("cuda", 0), 0) == 0

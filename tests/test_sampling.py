@@ -153,15 +153,13 @@ def test_vocabulary_hashed_once_draws_the_same_noise(draw_path):
         assert torch.equal(_gumbel_argmax(scores[:, :ids.shape[1]], batch, given, vocab), expected)
 
 
-@pytest.mark.parametrize("split_columns", [8192, 1024])
-def test_kernel_draw_equals_torch_draw(monkeypatch, split_columns):
-    """The Triton draw against torch's on fresh random rows: whole rows in several column blocks, token ids given,
-    rows masked to -inf, NaNs, exact ties (the first column wins), negative and 64-bit seeds; each row drawn by one
-    program, or split across programs (1,024 columns each) and combined, ties and NaNs in different splits."""
+def _check_kernel_draw(device: str, split_columns: int, monkeypatch) -> None:
+    """The Triton draw against torch's on fresh random rows on `device`, rows split every `split_columns`."""
     import cb_sync.sampling as sampling
     from cb_sync import gumbel_kernel
     from cb_sync.gumbel_kernel import gumbel_argmax
     monkeypatch.setattr(gumbel_kernel, "SPLIT_COLUMNS", split_columns)
+    monkeypatch.setattr(sampling, "_kernel_draws", lambda scores: False)      # torch's draw, the expected one
     seed = int(torch.randint(0, 2 ** 31, ()))
     gen = torch.Generator().manual_seed(seed)
     for rows, columns, with_ids in ((6, 2500, False), (9, 64, True), (4, 1500, True)):
@@ -172,14 +170,34 @@ def test_kernel_draw_equals_torch_draw(monkeypatch, split_columns):
         scores[1] = 0.0                                          # the noise alone decides
         scores[2] = float("-inf")
         scores[3, [columns // 3, columns - 1]] = float("nan")     # torch.argmax: the first NaN
+        if rows > 4:
+            scores[4, columns - 1] = float("nan")                 # a NaN in the last split only
         ids = torch.stack([torch.randperm(150_000, generator=gen)[:columns] for _ in range(rows)]) if with_ids else None
+        scores, seeds, positions = scores.to(device), seeds.to(device), positions.to(device)
+        ids = None if ids is None else ids.to(device)
         batch = _batch(rows, seeds=seeds, positions=positions)
         expected = sampling._gumbel_argmax(scores, batch, ids, 150_000 if with_ids else columns)
         assert torch.equal(gumbel_argmax(scores, seeds, positions, ids), expected), f"seed {seed}"
-        assert expected[2] == 0 and expected[3] == columns // 3
-    tied = torch.full((3, 2500), float("-inf"))
+        assert expected[2] == 0 and expected[3] == columns // 3 and (rows <= 4 or expected[4] == columns - 1)
+    tied = torch.full((3, 2500), float("-inf"), device=device)
     tied[:, [5, 9, 2000]] = float("inf")                         # +inf plus any noise: a tie, the first column wins
-    assert gumbel_argmax(tied, torch.arange(3), torch.zeros(3, dtype=torch.int64), None).tolist() == [5, 5, 5]
+    seeds, positions = torch.arange(3, device=device), torch.zeros(3, dtype=torch.int64, device=device)
+    assert gumbel_argmax(tied, seeds, positions, None).tolist() == [5, 5, 5]
+
+
+@pytest.mark.parametrize("split_columns", [8192, 1024])
+def test_kernel_draw_equals_torch_draw(monkeypatch, split_columns):
+    """Whole rows in several column blocks, token ids given, rows masked to -inf, NaNs, exact ties (the first column
+    wins), negative and 64-bit seeds; each row drawn by one program, or split across programs (1,024 columns each)
+    and combined, ties and NaNs in different splits (here through the interpreter)."""
+    _check_kernel_draw("cuda" if torch.cuda.is_available() else "cpu", split_columns, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_columns", [8192, 1024])
+def test_kernel_draw_edge_cases_on_cuda(monkeypatch, split_columns):
+    """The same cases compiled for the GPU, where a reduction's ties are not resolved in lane order by chance."""
+    _check_kernel_draw("cuda", split_columns, monkeypatch)
 
 
 @pytest.mark.slow

@@ -76,12 +76,14 @@ STEP_HEADROOM_BYTES = 2 * 2**30    # left free for a step's activations and work
 
 
 def device_room(device: torch.device, held_bytes: int) -> int | None:
-    """Bytes KV pools may take on `device` now: its free memory, what torch's allocator holds unused and `held_bytes`
-    (the pools that a new allocation replaces), less STEP_HEADROOM_BYTES; None off CUDA, where no limit is known."""
+    """Bytes KV pools may take on `device` now: its free memory, the whole segments torch's allocator holds unused
+    (not the free pieces of segments in use, which a pool cannot take) and `held_bytes` (the pools that a new
+    allocation replaces), less STEP_HEADROOM_BYTES; None off CUDA, where no limit is known."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    pieces = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - pieces
     return max(0, free + unused + held_bytes - STEP_HEADROOM_BYTES)
 
 
