@@ -22,6 +22,7 @@
 #   long_vllm_nolora   Workload L, vllm_nolora alone                               -> long_rollouts_vllm_nolora.*
 #   long_hf         Workload L, hf_generate and hf_generate_static                -> long_rollouts_hf.*
 #   long_attention  decode attention at reasoning lengths, every variant         -> long_attention.*
+#   draw            the sampler's draw over the vocabulary, a program a row against split rows -> draw_kernel.*
 #                   (LONG_ARGS is appended to the long_* stages' arguments: e.g. LONG_ARGS="--sampler grpo")
 # Merge the calls' results afterwards (CPU):
 #   python -m benchmarks.throughput --from-json DIR1/throughput_peers_cb.json DIR2/throughput_peers_vllm.json \
@@ -132,6 +133,9 @@ run_stages() {
         site_vllm && need_vllm && long_rollouts long_rollouts_vllm_nolora vllm_nolora ;;
       long_hf)
         long_rollouts long_rollouts_hf hf_generate hf_generate_static ;;
+      draw)
+        say "draw_kernel (limit $(left) s)"
+        timeout -s INT -k 30 "$(left)" python3 -m benchmarks.draw_kernel --out "$OUT" ;;
       long_attention)
         say "long_attention (limit $(left) s)"
         timeout -s INT -k 30 "$(left)" python3 -m benchmarks.long_attention --out "$OUT" $LONG_ARGS ;;
