@@ -22,12 +22,7 @@ VARIANTS = {"one_program_a_row": None, "split": gumbel_kernel.SPLIT_COLUMNS}   #
 
 def draw(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, variant: str) -> torch.Tensor:
     """gumbel_argmax with the variant's columns a program."""
-    saved = gumbel_kernel.SPLIT_COLUMNS
-    gumbel_kernel.SPLIT_COLUMNS = VARIANTS[variant] or scores.shape[1]
-    try:
-        return gumbel_kernel.gumbel_argmax(scores, seeds, positions, None)
-    finally:
-        gumbel_kernel.SPLIT_COLUMNS = saved
+    return gumbel_kernel.gumbel_argmax(scores, seeds, positions, None, VARIANTS[variant] or scores.shape[1])
 
 
 def draw_inputs(rows: int, vocab: int, device: str = "cuda", seed: int = 0):

@@ -100,11 +100,11 @@ def _combine_splits(best_ptr, index_ptr, nan_ptr, out_ptr, n, splits, BLOCK_S: t
 
 
 def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  token_ids: torch.Tensor | None) -> torch.Tensor:
+                  token_ids: torch.Tensor | None, split_columns: int | None = None) -> torch.Tensor:
     """int64 [S]: per row of scores [S, N] (float), the column of max(score + Gumbel noise) with the noise of
     (seeds[row], positions[row], token_ids[row, column]) (token_ids None: the column is the token id). A row wider
-    than SPLIT_COLUMNS is split across programs, their results combined by a second launch: a program a whole
-    vocabulary row would be a serial loop of ~150 tiles, however few the rows."""
+    than split_columns (None: SPLIT_COLUMNS) is split across programs, their results combined by a second launch: a
+    program a whole vocabulary row would be a serial loop of ~150 tiles, however few the rows."""
     rows, n = scores.shape
     out = torch.empty(rows, dtype=torch.int64, device=scores.device)
     if rows == 0:
@@ -112,7 +112,7 @@ def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     ids = scores if token_ids is None else (token_ids if token_ids.stride(1) == 1 else token_ids.contiguous())
     block = min(MAX_BLOCK, triton.next_power_of_2(n))
-    span = triton.cdiv(max(SPLIT_COLUMNS, block), block) * block
+    span = triton.cdiv(max(split_columns or SPLIT_COLUMNS, block), block) * block
     splits = triton.cdiv(n, span)
     partial = [torch.empty((rows, splits), dtype=dtype, device=scores.device)
                for dtype in (torch.float32, torch.int64, torch.int64)] if splits > 1 else [out] * 3

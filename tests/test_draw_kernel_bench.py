@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_both_variants_draw_torchs_tokens():
     vocab = gumbel_kernel.SPLIT_COLUMNS + 900
     assert draw_kernel.draws_agree(2, vocab, DEVICE)
-    assert gumbel_kernel.SPLIT_COLUMNS == draw_kernel.VARIANTS["split"]   # restored after each draw
+    assert gumbel_kernel.SPLIT_COLUMNS == draw_kernel.VARIANTS["split"]   # the split variant: the default
 
 
 def test_a_wrong_variant_fails_the_check(monkeypatch):
