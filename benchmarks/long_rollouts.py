@@ -2,7 +2,8 @@
 (EOS silenced), batch 8 / 32 / 64, greedy or GRPO's sampler (TRL's defaults: temperature 1, no filter).
 
     python -m benchmarks.long_rollouts [--batches 8 32 64] [--engines cb_sync_compiled vllm vllm_nolora hf_generate]
-        [--sampler greedy|grpo] [--max-cache-gib 96 [16 ...]] [--name long_rollouts] [--time-limit S]
+        [--sampler greedy|grpo] [--max-cache-gib 96 [16 ...]] [--attn-backend auto|triton|flash|flash_prefill]
+        [--name long_rollouts] [--time-limit S]
     python -m benchmarks.long_rollouts --tiny --out DIR      # CPU plumbing check: tiny Qwen3, fp32, a few tokens
     python -m benchmarks.long_rollouts --from-json A.json B.json --name NAME   # merge calls' rows of one machine
 
@@ -130,7 +131,7 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
     steps = ContextSteps()
     driver = SyncCBDriver(model, CBConfig(max_batch_size=max(args.batches), max_batch_tokens=MAX_BATCH_TOKENS,
                                           compile=engine == "cb_sync_compiled", max_cache_gib=args.max_cache_gib[0],
-                                          progress_bar=False), observer=steps)
+                                          attn_backend=args.attn_backend, progress_bar=False), observer=steps)
     length = args.prompt_len + args.new_tokens
     start = time.perf_counter()
     driver.generate([prompts[min(prompts)][0][:1] * (length - WARMUP_TOKENS)],
@@ -157,7 +158,7 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
             raise RuntimeError(f"batch {batch}: expected {batch} completions of {args.new_tokens} tokens, got "
                                f"{len(results)} of lengths {sorted(lengths)}")
         row = _row(engine, batch, args, seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
-        row.update(warmup_s=round(warmup_s, 1), kv_gib=round(driver.cache.nbytes / 2**30, 2),
+        row.update(attn_backend=args.attn_backend, warmup_s=round(warmup_s, 1), kv_gib=round(driver.cache.nbytes / 2**30, 2),
                    preemptions=steps.preemptions(), recomputed_tokens=steps.recomputed, max_cache_gib=cap,
                    seconds_by_kind=steps.seconds_by_kind(), decode_by_batch=steps.decode_by_batch(),
                    **{f"ms_step_{c}": steps.ms_at(c) for c in CONTEXTS if c <= length},
@@ -219,7 +220,7 @@ def _engine_command(engine: str, args, name: str) -> list[str]:
         return [sys.executable, "-m", "benchmarks.peers_vllm", "--engine", engine, *shared, "--repeats", "1",
                 "--warmup-tokens", str(WARMUP_TOKENS), "--max-model-len", str(args.prompt_len + args.new_tokens)]
     return [sys.executable, "-m", "benchmarks.long_rollouts", "--engines", engine, "--engine-process", *shared,
-            "--max-cache-gib", *map(str, args.max_cache_gib)]
+            "--max-cache-gib", *map(str, args.max_cache_gib), "--attn-backend", args.attn_backend]
 
 
 def run_all(args) -> list[dict]:
@@ -229,10 +230,11 @@ def run_all(args) -> list[dict]:
     for engine in sorted(args.engines, key=lambda e: e in VLLM_ENGINES):
         name = f"{args.name}_{engine}"
         left = None if stop is None else stop - time.monotonic()
-        caps = args.max_cache_gib if engine in CB_ENGINES else [None]
+        cb = engine in CB_ENGINES
         expected = [{"engine": engine, "batch": b, "lora": engine != "vllm_nolora", "sampler": args.sampler,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     **({"max_cache_gib": cap} if cap else {})} for cap in caps for b in args.batches]
+                     **({"max_cache_gib": cap, "attn_backend": args.attn_backend} if cb else {})}
+                    for cap in (args.max_cache_gib if cb else [None]) for b in args.batches]
         if left is not None and left <= 0:
             rows += [{**row, "error": "not run: --time-limit used up"} for row in expected]
             continue
@@ -262,8 +264,10 @@ def merge(paths: list[str], name: str, out: Path) -> list[dict]:
 
 
 def _key(row: dict) -> tuple:
-    """What a row measured: engine, workload (batch, sampler, lengths) and, for cb_sync, its KV cap."""
-    return (row["engine"], *_workload(row), row.get("max_cache_gib"))
+    """What a row measured: engine, workload (batch, sampler, lengths) and, for cb_sync, its KV cap and attention
+    backend (rows from before the backend was recorded ran "auto")."""
+    backend = row.get("attn_backend", "auto" if row["engine"] in CB_ENGINES else None)
+    return (row["engine"], *_workload(row), row.get("max_cache_gib"), backend)
 
 
 def _workload(row: dict) -> tuple:
@@ -271,9 +275,11 @@ def _workload(row: dict) -> tuple:
 
 
 def _label(row: dict) -> str:
+    backend = row.get("attn_backend", "auto")
+    engine = row["engine"] if backend == "auto" else f"{row['engine']} {backend}"
     if row.get("max_cache_gib") is not None:
-        return f"{row['engine']} (cap {row['max_cache_gib']:g} GiB)"
-    return row["engine"] if row["engine"] != "vllm_nolora" else "vllm_nolora (merged weights)"
+        return f"{engine} (cap {row['max_cache_gib']:g} GiB)"
+    return engine if row["engine"] != "vllm_nolora" else "vllm_nolora (merged weights)"
 
 
 def table(rows: list[dict]) -> str:
@@ -328,6 +334,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=8192)
     parser.add_argument("--max-cache-gib", type=float, nargs="+", default=[96.0],
                         help="cb_sync's KV caps (CBConfig.max_cache_gib): a row for each cap and batch")
+    parser.add_argument("--attn-backend", default="auto", choices=["auto", "triton", "flash", "flash_prefill"],
+                        help="cb_sync's CBConfig.attn_backend")
     parser.add_argument("--name", default="long_rollouts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--time-limit", type=float, default=None, help="seconds for all engines together")

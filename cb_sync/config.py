@@ -11,7 +11,7 @@ import torch
 
 from .tuning import KernelTuning
 
-ATTN_BACKENDS = ("auto", "sdpa_paged", "triton", "flash")
+ATTN_BACKENDS = ("auto", "sdpa_paged", "triton", "flash", "flash_prefill")
 MIN_TEMPERATURE = 1e-6        # logits / temperature stay finite in float32
 
 
@@ -24,7 +24,9 @@ class CBConfig:
     max_batch_tokens: token budget of one step, shared by prefill chunks and decodes.
     max_batch_size: most requests running at once.
     attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton" | "flash" (flash-attn 4's paged
-        kernels, an optional extra: ValueError naming what is missing where they cannot run).
+        kernels, an optional extra: ValueError naming what is missing where they cannot run) | "flash_prefill"
+        (flash-attn 4 for steps with prompt tokens, which include the recompute of preempted requests; Triton for
+        pure decode).
     cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton or flash backend; the sdpa_paged
         reference syncs with the host and always runs eagerly).
     compile: torch.compile the decode step before capture (CUDA graphs only; elsewhere ignored with a warning);

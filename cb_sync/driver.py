@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .attention import invariant, sdpa_paged, select_backend
+from .attention import StepBackends, invariant, sdpa_paged, select_backends
 from .batch_invariant import check_model, invariant_ops
 from .cache import (STEP_HEADROOM_BYTES, BlockAllocator, PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate,
                     device_room)
@@ -65,8 +65,8 @@ class SyncCBDriver:
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
                                   self.dtype, self.device)
-        self.backend = invariant if self.config.batch_invariant else select_backend(self.config.attn_backend,
-                                                                                     self.device, self.dtype)
+        self.backends = StepBackends(invariant, invariant) if self.config.batch_invariant else select_backends(
+            self.config.attn_backend, self.device, self.dtype)
         self.runner = self._runner()
 
     def _runner(self) -> ModelRunner:
@@ -74,7 +74,7 @@ class SyncCBDriver:
         cfg, tuning = self.config, self.config.tuning.attention
         replay = compiled = None
         static = self.static_decode if self.static_decode is not None else (
-            self.device.type == "cuda" and self.backend is not sdpa_paged)
+            self.device.type == "cuda" and self.backends.decode is not sdpa_paged)
         if cfg.cuda_graphs and static:
             compiled = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
             # A compiled step specialises a count of one into a compile of its own, so one request is padded to two
@@ -82,10 +82,11 @@ class SyncCBDriver:
             # replayed decode step is compiled, and the other steps run eagerly.
             buckets = [b for b in decode_buckets(cfg.max_batch_size) if not compiled or b > 1
                        or b == cfg.max_batch_size]
-            replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backend, tuning, buckets)
+            replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backends.decode, tuning,
+                                  buckets)
             if buckets[0] == 1:
                 compiled = None
-        return ModelRunner(self.model, self.cache, self.backend, tuning, replay, compiled, self.observer)
+        return ModelRunner(self.model, self.cache, self.backends, tuning, replay, compiled, self.observer)
 
     def _follow_model(self) -> None:
         """Re-bind after the model moved to another device or dtype (`.to()`), dropping the old cache."""
@@ -149,7 +150,7 @@ class SyncCBDriver:
         cfg = self.config
         if cfg.batch_invariant:
             return invariant_tuning(cfg.lora_kernels, cfg.tuning.lora, self.device)
-        return cfg.tuning.lora if cfg.lora_kernels and self.backend is not sdpa_paged else None
+        return cfg.tuning.lora if cfg.lora_kernels and self.backends.decode is not sdpa_paged else None
 
     def _ops(self):
         return invariant_ops() if self.config.batch_invariant else contextlib.nullcontext()

@@ -1,17 +1,20 @@
-"""attn_backend="flash" (flash-attn 4's paged kernels): a clear error where it cannot run; on a GPU with flash-attn 4
+"""attn_backend="flash" (flash-attn 4's paged kernels) and "flash_prefill" (flash for steps with prompt tokens, Triton
+for pure decode): a clear error where flash cannot run, each step kind sent to its backend; on a GPU with flash-attn 4
 installed, the op against the sdpa_paged reference on fresh random batches, graph replay bit-exact, the driver."""
 
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.attention import flash_ops, sdpa_paged
+from cb_sync.attention import flash_ops, sdpa_paged, triton_kernels
+from cb_sync.graphs import is_pure_decode
 
-from conftest import make_model, random_prompts
+from conftest import hf_greedy, make_model, random_prompts
 
 
 def test_flash_backend_on_the_cpu_is_a_value_error_before_any_work():
@@ -19,6 +22,71 @@ def test_flash_backend_on_the_cpu_is_a_value_error_before_any_work():
     with pytest.raises(ValueError, match=r"attn_backend='flash' needs a CUDA model in float16 or bfloat16 .* got one "
                                          r"on cpu in torch.float32"):
         SyncCBDriver(model, CBConfig(attn_backend="flash"))
+
+
+def test_flash_prefill_backend_on_the_cpu_is_a_value_error_naming_flash():
+    model = make_model("qwen3", lora=False)
+    with pytest.raises(ValueError, match=r"attn_backend='flash' needs a CUDA model in float16 or bfloat16"):
+        SyncCBDriver(model, CBConfig(attn_backend="flash_prefill"))
+
+
+def _reference_flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=None, page_table=None, seqused_k=None,
+                                      softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                                      num_splits=0):
+    """flash-attn 4's paged forward as the sdpa_paged reference computes it: q [T, H, D] with cu_seqlens_q, or a
+    batch of single queries [R, 1, H, D]; causal and bottom-right aligned; a window of window_size[0] + 1 keys."""
+    assert causal and page_table is not None and seqused_k is not None
+    single = cu_seqlens_q is None
+    query = q.flatten(0, 1) if single else q
+    starts = torch.arange(len(query) + 1, dtype=torch.int32) if single else cu_seqlens_q
+    window = None if window_size[0] is None else window_size[0] + 1
+    out = sdpa_paged.paged_attention(query, k_cache, v_cache, page_table, seqused_k, starts,
+                                     int(starts.diff().max()), int(seqused_k.max()), softmax_scale, window,
+                                     softcap or None)
+    return out.view(q.shape) if single else out
+
+
+@pytest.mark.parametrize("replayed,compiled", [(True, False), (False, False), (True, True)])
+def test_flash_prefill_sends_steps_with_prompt_tokens_to_flash_and_pure_decode_to_triton(monkeypatch, replayed,
+                                                                                        compiled):
+    """flash_prefill on the CPU, with flash_attn.cute's paged forward computed by the sdpa_paged reference: every
+    layer of a step with prompt tokens runs flash's op and every layer of a pure-decode step (replayed, with its
+    graphs' first runs, or not) Triton's, eager or compiled; greedy tokens follow HF."""
+    calls, steps = [], []
+
+    def recording(name, attend):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return attend(*args, **kwargs)
+        return run
+
+    def observe(output):        # at launch, before the step's tokens update its requests
+        steps.append((output.path, is_pure_decode(output.plan), calls[:]))
+        calls.clear()
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = recording("flash", _reference_flash_attn_varlen_func)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setattr(flash_ops, "unavailable_reason", lambda device, dtype: None)
+    monkeypatch.setattr(triton_kernels, "paged_attention", recording("triton", triton_kernels.paged_attention))
+    model = make_model("qwen3", lora=True)
+    driver = SyncCBDriver(model, CBConfig(attn_backend="flash_prefill", block_size=8, max_batch_size=2,
+                                          max_batch_tokens=16, compile=compiled),
+                          static_decode=replayed, observer=observe)
+    prompts = random_prompts([3, 20, 9])          # 20 tokens: two prefill chunks; the third request joins later
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 5) for p in prompts]
+    layers = model.config.num_hidden_layers
+    for path, decode, names in steps:
+        if decode:
+            assert names and set(names) == {"triton"} and len(names) % layers == 0, (path, names)
+        else:       # the first compiled step also runs the decode graphs' first runs and an eager check first
+            assert names[-layers:] == ["flash"] * layers and (compiled or len(names) == layers), (path, names)
+    uncaptured = "compiled" if compiled else "eager"
+    assert {(path, decode) for path, decode, _ in steps} == {
+        (uncaptured, False), ("replay" if replayed else uncaptured, True)}
+    assert not compiled or driver.runner.compiled.active
 
 
 def test_a_float32_model_is_refused_by_the_flash_backend():
@@ -101,16 +169,17 @@ def test_flash_sliding_window_and_softcap_match_sdpa_paged(window):
     _check_against_reference(_batch([1, 1, 30], [700, 40, 90], seed=5), sliding_window=window, softcap=30.0)
 
 
+@pytest.mark.parametrize("backend", ["flash", "flash_prefill"])
 @pytest.mark.gpu
 @needs_flash
-def test_flash_driver_replays_bit_identical_steps_and_greedy_follows_the_model():
-    """A replayed flash decode step equals the same step run uncaptured; greedy tokens are (near-)argmax of a
-    teacher-forced HF forward of the same bf16 model."""
+def test_flash_driver_replays_bit_identical_steps_and_greedy_follows_the_model(backend):
+    """A replayed decode step (flash's, or Triton's under flash_prefill) equals the same step run uncaptured; greedy
+    tokens are (near-)argmax of a teacher-forced HF forward of the same bf16 model."""
     from cb_sync.lora import lora_kernels
     from cb_sync.model_state import generation_mode
     from cb_sync.sampling import SamplerKind
     model = make_model("qwen3", lora=True).to("cuda", torch.bfloat16)
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=8, attn_backend="flash"))
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=8, attn_backend=backend))
     prompts = random_prompts([20, 3, 40, 64, 9, 17, 5, 33])
     results = driver.generate(prompts, SamplingParams(max_new_tokens=12))
     replay = driver.runner.replay

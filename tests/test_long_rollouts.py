@@ -80,6 +80,16 @@ def test_merge_keeps_measured_rows_and_drops_errors_measured_elsewhere(tmp_path)
     assert (tmp_path / "m.md").read_text().count("\n") == 4
 
 
+def test_merge_keeps_a_row_for_each_attention_backend_and_labels_it(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"engine": "cb_sync_compiled", "batch": 8, "sampler": "greedy", "lora": True,
+                                 "seconds": 1, "peak_gib": 1, "tok_per_s": tok_per_s, **backend}
+                                for tok_per_s, backend in ((10.0, {}), (12.0, {"attn_backend": "flash_prefill"}))]))
+    merged = long_rollouts.main(["--from-json", str(path), "--name", "m", "--out", str(tmp_path)])
+    assert [r["tok_per_s"] for r in merged] == [10.0, 12.0]
+    assert "| cb_sync_compiled flash_prefill |" in (tmp_path / "m.md").read_text()
+
+
 def test_hf_generate_rows_and_the_ratio_to_them(tmp_path):
     rows = long_rollouts.main(["--tiny", "--engines", "cb_sync", "hf_generate", "--out", str(tmp_path)])
     assert {(r["engine"], r["batch"]) for r in rows if r.get("tok_per_s")} == {

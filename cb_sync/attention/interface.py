@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -35,10 +36,26 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
-    """Resolve "auto" | "sdpa_paged" | "triton" | "flash" to a backend module for a model on `device` in `dtype`:
-    auto is Triton on CUDA, else sdpa_paged. "flash" raises ValueError, naming what is missing, where flash-attn 4
-    cannot run."""
+@dataclass(frozen=True)
+class StepBackends:
+    """The attention backend of pure-decode steps and that of steps with prompt tokens (prefill and mixed)."""
+
+    decode: ModuleType
+    prefill: ModuleType
+
+
+def select_backends(name: str, device: torch.device, dtype: torch.dtype) -> StepBackends:
+    """Resolve "auto" | "sdpa_paged" | "triton" | "flash" | "flash_prefill" to the step kinds' backends for a model on
+    `device` in `dtype`: auto is Triton on CUDA, else sdpa_paged; "flash_prefill" is flash-attn 4 for steps with
+    prompt tokens and Triton for pure decode; the others serve every step. ValueError, naming what is missing, where
+    a backend cannot run."""
+    if name == "flash_prefill":
+        return StepBackends(decode=_select("triton", device, dtype), prefill=_select("flash", device, dtype))
+    backend = _select(name, device, dtype)
+    return StepBackends(decode=backend, prefill=backend)
+
+
+def _select(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
     if name == "sdpa_paged" or (name == "auto" and device.type != "cuda"):
         return sdpa_paged
     if name == "flash":
@@ -48,6 +65,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Modul
             raise ValueError(reason)
         return flash_ops
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attn_backend='triton' needs a CUDA model (or TRITON_INTERPRET=1 for tests)")
+        raise ValueError(f"attn_backend={name!r} needs a CUDA model for Triton's kernels (or TRITON_INTERPRET=1 for "
+                         "tests)")
     from . import triton_ops
     return triton_ops

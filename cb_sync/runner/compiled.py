@@ -35,7 +35,7 @@ class CompiledForward:
     dimension of its own, so one compile serves every bucket, cache size and step; a count of one would be
     specialised, so callers pass at least two requests and rows kept, and run steps of over max_tokens eagerly. The
     block table's width is static: callers pad tables to the replay's width, and a call that widens it compiles
-    again."""
+    again, as does each attention backend (one for decode, one for prompt tokens under "flash_prefill")."""
 
     def __init__(self, model: torch.nn.Module, max_tokens: int):
         self.model = model

@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
+from ..attention import StepBackends
 from ..cache import PagedKVCache
+from ..graphs import is_pure_decode
 from ..sampling import sample_exactly, sampler_kind
 from ..tuning import AttentionTuning
 from .compiled import CompiledForward, eager_forward
@@ -21,12 +22,13 @@ from .replay import DecodeReplay
 
 @dataclass(eq=False)
 class ModelRunner:
-    """Executes plans (lists of ScheduledChunks). replay: the executor of pure-decode steps (None: every step runs
-    uncaptured); compiled: the forward of the other steps (None: eager); observer: called with each step's output."""
+    """Executes plans (lists of ScheduledChunks). backends: the attention backend of pure-decode steps and that of
+    steps with prompt tokens; replay: the executor of pure-decode steps (None: every step runs uncaptured); compiled:
+    the forward of the other steps (None: eager); observer: called with each step's output."""
 
     model: torch.nn.Module
     cache: PagedKVCache
-    backend: ModuleType
+    backends: StepBackends
     tuning: AttentionTuning
     replay: DecodeReplay | None = None
     compiled: CompiledForward | None = None
@@ -61,8 +63,9 @@ class ModelRunner:
             columns.keep += (columns.keep[-1:] or [0]) * (2 - len(columns.keep))
         width = self.replay.width if compiled else max(len(blocks) for blocks in columns.tables)
         buffers = StepBuffers.packed(columns, width, self.cache.device)
+        backend = self.backends.decode if is_pure_decode(plan) else self.backends.prefill
         ids, positions, meta, keep = buffers.model_inputs(
-            len(columns.input_ids), len(columns.seq_lens), len(columns.keep), self.cache, self.backend, self.tuning,
+            len(columns.input_ids), len(columns.seq_lens), len(columns.keep), self.cache, backend, self.tuning,
             max(chunk.length for chunk in plan), max(columns.seq_lens))
         logits = (self.compiled if compiled else eager_forward(self.model))(ids, positions, meta, keep)
         sampled = len(columns.samplers)
