@@ -36,7 +36,8 @@ class CBConfig:
         forward.
     max_cache_gib: cap on KV memory when num_blocks is None; a call needing more preempts requests (recomputed later
         from their prompts and the tokens they had sampled) instead of failing, and logs a warning saying so. On a
-        GPU with less free memory than the cap, the cache takes what is free, less 2 GiB kept for a step.
+        GPU with less free memory than the cap, the cache takes what is free, less what the largest step needs (an
+        estimate from the model's widths, max_batch_tokens and max_batch_size; at least 2 GiB).
     prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
     progress_bar: None = only when stderr is a terminal.
     tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).

@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 
 from .attention import StepBackends, invariant, sdpa_paged, select_backends
 from .batch_invariant import check_model, invariant_ops
-from .cache import (STEP_HEADROOM_BYTES, BlockAllocator, PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate,
-                    device_room)
+from .cache import (BlockAllocator, PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate, device_room,
+                    step_headroom)
 from .config import CBConfig, SamplingParams
 from .graphs import decode_buckets
 from .lora import invariant_tuning, kernel_row_limit, lora_kernels
@@ -199,16 +199,17 @@ class SyncCBDriver:
 
     def _capacity_blocks(self) -> tuple[int, str]:
         """The most KV blocks this call may allocate, and what sets that limit: CBConfig's num_blocks or
-        max_cache_gib, or on a GPU with less free memory than the cap, that memory (`device_room`): the call then
-        preempts instead of running out of memory."""
+        max_cache_gib, or on a GPU with less free memory than the cap, that memory less what a step needs
+        (`device_room`, `step_headroom`): the call then preempts instead of running out of memory."""
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks, f"CBConfig num_blocks={cfg.num_blocks}"
         cap = int(cfg.max_cache_gib * 2**30)
-        room = device_room(self.device, self.cache.nbytes)
+        headroom = step_headroom(base_model(self.model).config.get_text_config(), cfg.max_batch_tokens,
+                                 cfg.max_batch_size, self.dtype.itemsize)
+        room = device_room(self.device, self.cache.nbytes, headroom)
         if room is not None and room < cap:     # the pools held now serve the call whatever is free
             return max(room // self.cache.bytes_per_block, self.cache.num_blocks), (
-                f"the GPU's free memory, {room / 2**30:.3g} GiB for the cache after "
-                f"{STEP_HEADROOM_BYTES / 2**30:g} GiB kept for a step, below CBConfig max_cache_gib="
-                f"{cfg.max_cache_gib:g}")
+                f"the GPU's free memory, {room / 2**30:.3g} GiB for the cache after {headroom / 2**30:.3g} GiB kept "
+                f"for a step, below CBConfig max_cache_gib={cfg.max_cache_gib:g}")
         return cap // self.cache.bytes_per_block, f"CBConfig max_cache_gib={cfg.max_cache_gib:g}"

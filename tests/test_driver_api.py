@@ -387,7 +387,7 @@ def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_ou
     driver = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64))
     per_block, rooms, room = driver.cache.bytes_per_block, [], {"blocks": 24}
     monkeypatch.setattr(driver_module, "device_room",
-                        lambda device, held: rooms.append(held) or room["blocks"] * per_block + 5)
+                        lambda device, held, headroom: rooms.append(held) or room["blocks"] * per_block + 5)
     with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
         results = driver.generate(prompts, params)
     assert driver.cache.num_blocks == 24 and rooms == [0]
@@ -402,19 +402,36 @@ def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_ou
     assert driver.generate([prompt], params)[0].token_ids == hf_greedy(model, prompt, 40)
     room["blocks"] = 10 ** 9                              # more free than the cap: the cap's blocks, and its name
     capped_by_config = SyncCBDriver(model, CBConfig(block_size=4, max_cache_gib=0.0001))
-    monkeypatch.setattr(driver_module, "device_room", lambda device, held: room["blocks"] * per_block)
+    monkeypatch.setattr(driver_module, "device_room", lambda device, held, headroom: room["blocks"] * per_block)
     with pytest.raises(ValueError, match=r"but the cache holds at most \d+ \(CBConfig max_cache_gib=0.0001\)"):
         capped_by_config.generate(random_prompts([int(0.0001 * 2**30 / per_block) * 4 + 1]), params)
     assert rooms == [0, 24 * per_block, 24 * per_block]
 
 
 def test_device_room_counts_free_unused_and_held_memory_less_the_headroom(monkeypatch):
-    from cb_sync.cache import STEP_HEADROOM_BYTES, device_room
-    assert device_room(torch.device("cpu"), 10 ** 9) is None
+    from cb_sync.cache import device_room
+    assert device_room(torch.device("cpu"), 10 ** 9, 2**30) is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"inactive_split_bytes.all.current": 2**29})
-    assert device_room(torch.device("cuda", 0), 2**30) == 5 * 2**30 - 2**29 - STEP_HEADROOM_BYTES
+    assert device_room(torch.device("cuda", 0), 2**30, 2**31) == 5 * 2**30 - 2**29 - 2**31
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 80 * 2**30))
-    assert device_room(torch.device("cuda", 0), 0) == 0
+    assert device_room(torch.device("cuda", 0), 0, 2**31) == 0
+
+
+def test_step_headroom_is_at_least_the_floor_and_grows_with_the_step_and_the_model():
+    """The Qwen3-4B shape at 16,384 tokens a step (~1.3 GiB measured beside weights and KV) stays at the 2 GiB floor;
+    a Qwen3-32B shape there needs more, in proportion to the step's tokens above the floor."""
+    from types import SimpleNamespace
+    from cb_sync.cache import step_headroom
+    from cb_sync.cache.kv_cache import MIN_STEP_HEADROOM_BYTES
+    shape = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    small = SimpleNamespace(hidden_size=2560, intermediate_size=9728, **shape)
+    large = SimpleNamespace(hidden_size=5120, intermediate_size=25600, **{**shape, "num_attention_heads": 64})
+    assert step_headroom(small, 16384, 64, 2) == MIN_STEP_HEADROOM_BYTES == 2 * 2**30
+    wide, wider = step_headroom(large, 16384, 64, 2), step_headroom(large, 32768, 64, 2)
+    assert 3.5 * 2**30 < wide < 4 * 2**30 and 1.9 < wider / wide < 2.0
+    assert step_headroom(large, 16384, 64, 4) > wide                    # float32 activations take twice the room
+
+

@@ -71,20 +71,35 @@ def offsets_to_pools(rows: torch.Tensor, k_caches: list[torch.Tensor], v_caches:
     return torch.tensor(offsets, dtype=torch.int64).view(-1, 2)
 
 
-STEP_HEADROOM_BYTES = 2 * 2**30    # left free for a step's activations and workspaces: the Qwen3-4B shape with
-                                   # LoRA took ~1.3 GiB beside its weights and KV at 16,384 tokens a step
+MIN_STEP_HEADROOM_BYTES = 2 * 2**30    # the Qwen3-4B shape with LoRA took ~1.3 GiB beside its weights and KV at
+                                       # 16,384 tokens a step, where step_headroom's estimate is 1.7 GiB
 
 
-def device_room(device: torch.device, held_bytes: int) -> int | None:
+def step_headroom(text_config, max_batch_tokens: int, max_batch_size: int, element_size: int) -> int:
+    """Bytes to leave free for a step's activations and workspaces: the transient tensors of the largest step (per
+    token: the MLP's gate, up and product, q/k/v and the attention output, a few hidden-state copies, in the model's
+    dtype; per sampled row: float32 logits, probabilities and noise), at least MIN_STEP_HEADROOM_BYTES."""
+    hidden = text_config.hidden_size
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+    intermediate = getattr(text_config, "intermediate_size", None) or 4 * hidden
+    per_token = (3 * intermediate + 2 * (heads + 2 * kv_heads) * head_dim + 4 * hidden) * element_size
+    per_row = 3 * text_config.vocab_size * 4
+    return max(MIN_STEP_HEADROOM_BYTES, max_batch_tokens * per_token + max_batch_size * per_row)
+
+
+def device_room(device: torch.device, held_bytes: int, headroom_bytes: int) -> int | None:
     """Bytes KV pools may take on `device` now: its free memory, the whole segments torch's allocator holds unused
     (not the free pieces of segments in use, which a pool cannot take) and `held_bytes` (the pools that a new
-    allocation replaces), less STEP_HEADROOM_BYTES; None off CUDA, where no limit is known."""
+    allocation replaces), less `headroom_bytes` for a step (`step_headroom`); None off CUDA, where no limit is
+    known."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
     pieces = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
     unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - pieces
-    return max(0, free + unused + held_bytes - STEP_HEADROOM_BYTES)
+    return max(0, free + unused + held_bytes - headroom_bytes)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
