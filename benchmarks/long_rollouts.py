@@ -158,8 +158,9 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
             raise RuntimeError(f"batch {batch}: expected {batch} completions of {args.new_tokens} tokens, got "
                                f"{len(results)} of lengths {sorted(lengths)}")
         row = _row(engine, batch, args, seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
-        row.update(attn_backend=args.attn_backend, warmup_s=round(warmup_s, 1), kv_gib=round(driver.cache.nbytes / 2**30, 2),
-                   preemptions=steps.preemptions(), recomputed_tokens=steps.recomputed, max_cache_gib=cap,
+        row.update(attn_backend=args.attn_backend, warmup_s=round(warmup_s, 1),
+                   kv_gib=round(driver.cache.nbytes / 2**30, 2), preemptions=steps.preemptions(),
+                   recomputed_tokens=steps.recomputed, max_cache_gib=cap,
                    seconds_by_kind=steps.seconds_by_kind(), decode_by_batch=steps.decode_by_batch(),
                    **{f"ms_step_{c}": steps.ms_at(c) for c in CONTEXTS if c <= length},
                    **{f"floor_ms_{c}": round(step_floor_ms(batch, c), 3) for c in CONTEXTS if c <= length},
