@@ -21,6 +21,8 @@
 #   long_vllm       Workload L, vllm and vllm_nolora, one process each            -> long_rollouts_vllm.*
 #   long_vllm_nolora   Workload L, vllm_nolora alone                               -> long_rollouts_vllm_nolora.*
 #   long_hf         Workload L, hf_generate and hf_generate_static                -> long_rollouts_hf.*
+#   long_flash_prefill   Workload L, cb_sync_compiled with attn_backend auto, then flash_prefill, one process
+#                   each (flash-attn 4 on PYTHONPATH: benchmarks/flash_wheels.sh) -> long_rollouts_flash_prefill.*
 #   long_attention  decode attention at reasoning lengths, every variant         -> long_attention.*
 #   draw            the sampler's draw over the vocabulary, a program a row against split rows -> draw_kernel.*
 #                   (LONG_ARGS is appended to the long_* stages' arguments: e.g. LONG_ARGS="--sampler grpo")
@@ -133,6 +135,11 @@ run_stages() {
         site_vllm && need_vllm && long_rollouts long_rollouts_vllm_nolora vllm_nolora ;;
       long_hf)
         long_rollouts long_rollouts_hf hf_generate hf_generate_static ;;
+      long_flash_prefill)
+        LONG_ARGS="$LONG_ARGS --attn-backend auto" long_rollouts long_rollouts_backend_auto cb_sync_compiled
+        LONG_ARGS="$LONG_ARGS --attn-backend flash_prefill" long_rollouts long_rollouts_backend_flash cb_sync_compiled
+        python3 -m benchmarks.long_rollouts --from-json "$OUT"/long_rollouts_backend_{auto,flash}.json \
+          --name long_rollouts_flash_prefill --out "$OUT" ;;
       draw)
         say "draw_kernel (limit $(left) s)"
         timeout -s INT -k 30 "$(left)" python3 -m benchmarks.draw_kernel --out "$OUT" ;;

@@ -24,9 +24,13 @@ def test_flash_backend_on_the_cpu_is_a_value_error_before_any_work():
         SyncCBDriver(model, CBConfig(attn_backend="flash"))
 
 
-def test_flash_prefill_backend_on_the_cpu_is_a_value_error_naming_flash():
+def test_flash_prefill_backend_on_the_cpu_is_a_value_error_naming_what_is_missing(monkeypatch):
     model = make_model("qwen3", lora=False)
-    with pytest.raises(ValueError, match=r"attn_backend='flash' needs a CUDA model in float16 or bfloat16"):
+    with pytest.raises(ValueError, match=r"attn_backend='flash_prefill' runs flash-attn 4 and Triton's kernels: "
+                                         r"attn_backend='flash' needs a CUDA model in float16 or bfloat16"):
+        SyncCBDriver(model, CBConfig(attn_backend="flash_prefill"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match=r"attn_backend='flash_prefill' runs .*: attn_backend='triton' needs a CUDA"):
         SyncCBDriver(model, CBConfig(attn_backend="flash_prefill"))
 
 

@@ -50,7 +50,10 @@ def select_backends(name: str, device: torch.device, dtype: torch.dtype) -> Step
     prompt tokens and Triton for pure decode; the others serve every step. ValueError, naming what is missing, where
     a backend cannot run."""
     if name == "flash_prefill":
-        return StepBackends(decode=_select("triton", device, dtype), prefill=_select("flash", device, dtype))
+        try:
+            return StepBackends(decode=_select("triton", device, dtype), prefill=_select("flash", device, dtype))
+        except ValueError as error:
+            raise ValueError(f"attn_backend='flash_prefill' runs flash-attn 4 and Triton's kernels: {error}") from None
     backend = _select(name, device, dtype)
     return StepBackends(decode=backend, prefill=backend)
 
