@@ -18,7 +18,8 @@ a replayed decode step at contexts of 1k / 4k / 8k tokens, and 16k where prompt 
 64 tokens of each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves.
 `hf_generate` and `hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled
 by `generate` in a first call that stops after 16 tokens, the timed call's cache length, timed apart), greedy, one
-timed call a batch.
+timed call a batch, its steps timed too; a call still running when its process's share of `--time-limit` ends stops
+there, and its row gives the rate over the tokens it made (`stopped_after_tokens`, in the label and the ratios).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ MAX_BATCH_TOKENS = 16384                 # cb_sync's token budget a step: 16 of 
 CB_ENGINES = ("cb_sync_compiled", "cb_sync")
 HF_ENGINES = ("hf_generate", "hf_generate_static")    # greedy only; static: the cache compiled by `generate`
 VLLM_ENGINES = ("vllm", "vllm_nolora")
+HF_EXIT_MARGIN_S = 45                    # an HF process stops its call this long before its share of --time-limit
 DEFAULT_ENGINES = ("cb_sync_compiled", "vllm", "vllm_nolora")
 
 
@@ -172,27 +174,41 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
     return rows
 
 
-def _row(engine: str, batch: int, args, seconds: float, peak_gib: float) -> dict:
-    lora = engine != "vllm_nolora"
-    floor = call_floor_s(batch, args.prompt_len, args.new_tokens, lora)
+def _row(engine: str, batch: int, args, seconds: float, peak_gib: float, made: int | None = None) -> dict:
+    """A measured row; made: the new tokens a row of the call made where it stopped short of the workload's."""
+    lora, made = engine != "vllm_nolora", made or args.new_tokens
+    floor = call_floor_s(batch, args.prompt_len, made, lora)
     return {"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora, "batch": batch,
             "sampler": args.sampler, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "tok_per_s": round(batch * args.new_tokens / seconds, 1), "seconds": round(seconds, 2),
-            "peak_gib": round(peak_gib, 2), "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1)}
+            "tok_per_s": round(batch * made / seconds, 1), "seconds": round(seconds, 2),
+            "peak_gib": round(peak_gib, 2), "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1),
+            **({"stopped_after_tokens": made} if made < args.new_tokens else {})}
 
 
 def run_hf_generate(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
-    """HF `generate` with the adapter live, greedy; a batch that fails (out of memory) is a row with its error."""
-    rows = []
+    """HF `generate` with the adapter live, greedy, its steps timed (`throughput.StepClock`). With --time-limit (the
+    process's share, from run_all) a call still running at the limit stops there: its row counts the tokens made
+    (`stopped_after_tokens`) and a batch not started by then is a row saying so; a batch that fails (out of memory)
+    is a row with its error."""
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    length, rows = args.prompt_len + args.new_tokens, []
     for batch in args.batches:
+        failed = {"engine": engine, "batch": batch, "lora": True, "sampler": args.sampler,
+                  "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+        if deadline is not None and time.monotonic() >= deadline:
+            rows.append({**failed, "error": "not run: --time-limit used up"})
+            continue
+        clock = throughput.StepClock(deadline)
         try:
             seconds, peak, extra = throughput.run_hf_generate(model, prompts[batch], args.new_tokens,
                                                               static=engine == "hf_generate_static",
-                                                              warmup_tokens=WARMUP_TOKENS)
-            rows.append({**_row(engine, batch, args, seconds, peak), **extra, **gpu_state()})
+                                                              warmup_tokens=WARMUP_TOKENS, clock=clock)
+            made = max(clock.ends) - args.prompt_len
+            rows.append({**_row(engine, batch, args, seconds, peak, made), **extra,
+                         **{f"ms_step_{c}": clock.ms_at(c, CONTEXT_WINDOW) for c in CONTEXTS if c <= length},
+                         **gpu_state()})
         except Exception as error:
-            rows.append({"engine": engine, "batch": batch, "lora": True, "sampler": args.sampler,
-                         "error": f"{error!r}"[:500]})
+            rows.append({**failed, "error": f"{error!r}"[:500]})
         print(rows[-1], flush=True)
         on_row(rows)
         gc.collect()
@@ -213,13 +229,16 @@ def _engine_main(args) -> None:
     save((run_hf_generate if engine in HF_ENGINES else run_cb_sync)(engine, model, prompts, args, save))
 
 
-def _engine_command(engine: str, args, name: str) -> list[str]:
+def _engine_command(engine: str, args, name: str, seconds: float | None) -> list[str]:
+    """The engine's process; an HF engine gets the seconds it has (less a margin to write its rows) as its own limit."""
     shared = ["--name", name, "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len",
               str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--sampler", args.sampler,
               *(["--tiny"] if args.tiny else [])]
     if engine in VLLM_ENGINES:
         return [sys.executable, "-m", "benchmarks.peers_vllm", "--engine", engine, *shared, "--repeats", "1",
                 "--warmup-tokens", str(WARMUP_TOKENS), "--max-model-len", str(args.prompt_len + args.new_tokens)]
+    if engine in HF_ENGINES and seconds is not None:
+        shared += ["--time-limit", str(max(seconds - HF_EXIT_MARGIN_S, 1.0))]
     return [sys.executable, "-m", "benchmarks.long_rollouts", "--engines", engine, "--engine-process", *shared,
             "--max-cache-gib", *map(str, args.max_cache_gib), "--attn-backend", args.attn_backend]
 
@@ -239,7 +258,7 @@ def run_all(args) -> list[dict]:
         if left is not None and left <= 0:
             rows += [{**row, "error": "not run: --time-limit used up"} for row in expected]
             continue
-        outcome = run_child(_engine_command(engine, args, name), timeout=left)
+        outcome = run_child(_engine_command(engine, args, name, left), timeout=left)
         path = args.out / f"{name}.json"
         got = json.loads(path.read_text()) if path.is_file() else []
         have = {_key(row) for row in got}
@@ -280,6 +299,8 @@ def _label(row: dict) -> str:
     engine = row["engine"] if backend == "auto" else f"{row['engine']} {backend}"
     if row.get("max_cache_gib") is not None:
         return f"{engine} (cap {row['max_cache_gib']:g} GiB)"
+    if row.get("stopped_after_tokens") is not None:
+        return f"{engine} (stopped after {row['stopped_after_tokens']:,} tokens)"
     return engine if row["engine"] != "vllm_nolora" else "vllm_nolora (merged weights)"
 
 
@@ -293,7 +314,7 @@ def table(rows: list[dict]) -> str:
             lines.append([_label(row), row.get("sampler", "-"), row["batch"], *["-"] * 9,
                           f"could not run: {row.get('error', 'no result')}"])
             continue
-        ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}" for p in peers
+        ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}{_stopped(p)}" for p in peers
                   if row["engine"] in CB_ENGINES and _workload(p) == _workload(row)]
         steps = " / ".join(str(row.get(f"ms_step_{c}", "-")) for c in CONTEXTS)
         floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS)
@@ -306,6 +327,11 @@ def table(rows: list[dict]) -> str:
     return markdown_table(["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k / 16k",
                            "floor ms at 1k / 4k / 8k / 16k", "peak GiB", "KV GiB", "preemptions (tokens recomputed)",
                            "engine start s", "vs peers (same machine)"], lines)
+
+
+def _stopped(row: dict) -> str:
+    made = row.get("stopped_after_tokens")
+    return "" if made is None else f" (its first {made:,} tokens: stopped at the time limit)"
 
 
 def _preemptions(row: dict) -> str:

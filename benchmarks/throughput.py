@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import gc
 import json
+import statistics
 import sys
 import threading
 import time
@@ -130,9 +131,31 @@ class StopAfter(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
 
 
-def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None):
+class StepClock(StoppingCriteria):
+    """Times HF `generate`'s steps by sequence length, and stops every row once time.monotonic() passes `deadline`
+    (None: never). `generate` checks its criteria after every token and reads on the host whether rows are left, at
+    most a step late, so the host keeps within a step of the device and the times between checks are its steps."""
+
+    def __init__(self, deadline: float | None = None):
+        self.deadline = deadline
+        self.ends = {}                  # sequence length -> time.perf_counter() when that token was checked
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.ends[input_ids.shape[1]] = time.perf_counter()
+        stop = self.deadline is not None and time.monotonic() >= self.deadline
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    def ms_at(self, length: int, window: int) -> float | None:
+        """The median step, in ms, that ended within `window` tokens of sequence `length` (None: none did)."""
+        times = [1e3 * (self.ends[n] - self.ends[n - 1]) for n in self.ends
+                 if n - 1 in self.ends and abs(n - length) <= window]
+        return round(statistics.median(times), 3) if times else None
+
+
+def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None, clock: StepClock | None = None):
     """HF `generate` with its dynamic cache, or with a static cache (which `generate` compiles: timed warm, after
-    a first call that compiles for this batch size; warmup_tokens: that call stops after so many new tokens)."""
+    a first call that compiles for this batch size; warmup_tokens: that call stops after so many new tokens).
+    clock: times the timed call's steps, and may stop it at its deadline (its `ends` say how far it got)."""
     ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
@@ -144,7 +167,8 @@ def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None
             first, *_ = _timed(lambda: model.generate(ids, stopping_criteria=StoppingCriteriaList(stop), **kwargs))
             extra["first_call_s"] = round(first, 2)
             extra["first_call_tokens"] = min(warmup_tokens or new_tokens, new_tokens)
-        seconds, peak, gc_s = _timed(lambda: model.generate(ids, **kwargs))
+        timed = StoppingCriteriaList([clock] if clock else [])
+        seconds, peak, gc_s = _timed(lambda: model.generate(ids, stopping_criteria=timed, **kwargs))
     return seconds, peak, {**extra, "gc_s": round(gc_s, 4)}
 
 

@@ -4,10 +4,14 @@ per-context step times and the merge of several calls' rows."""
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
-from benchmarks import long_rollouts
-from benchmarks.common import exit_code
+import pytest
+import torch
+
+from benchmarks import long_rollouts, throughput
+from benchmarks.common import build_model, exit_code
 
 
 def test_tiny_run_writes_a_row_per_batch(tmp_path):
@@ -129,3 +133,42 @@ def test_the_static_cache_warm_up_call_stops_early_at_the_timed_calls_cache_leng
     _, _, extra = throughput.run_hf_generate(model, [list(range(1, 9))] * 2, 12, static=True, warmup_tokens=3)
     assert [out.shape for _, out in calls] == [(2, 11), (2, 20)] and extra["first_call_tokens"] == 3
     assert all(kwargs["max_new_tokens"] == 12 and kwargs["cache_implementation"] == "static" for kwargs, _ in calls)
+
+
+def test_the_step_clock_times_hf_generate_by_length_and_stops_it_at_its_deadline():
+    model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
+    prompts = throughput.make_prompts(model.config.vocab_size, [2], 8)[2]
+    clock = throughput.StepClock(time.monotonic() + 600)
+    throughput.run_hf_generate(model, prompts, 12, clock=clock)
+    assert sorted(clock.ends) == list(range(9, 21))              # every new token, by sequence length
+    assert clock.ms_at(14, 2) > 0 and clock.ms_at(100, 2) is None
+    stopped = throughput.StepClock(time.monotonic())              # already past: the call stops after one token
+    throughput.run_hf_generate(model, prompts, 12, clock=stopped)
+    assert list(stopped.ends) == [9]
+
+
+def test_an_hf_call_stopped_at_the_time_limit_is_a_row_over_the_tokens_it_made(tmp_path, monkeypatch):
+    """A call cut at its process's limit gives its rate over the tokens made, says so in its label and in cb_sync's
+    ratio to it; a batch not started by the limit is a row saying so."""
+    class StopAfterFive(throughput.StepClock):
+        def __call__(self, input_ids, scores, **kwargs):
+            return super().__call__(input_ids, scores, **kwargs) | (input_ids.shape[1] >= 8 + 5)
+    monkeypatch.setattr(throughput, "StepClock", StopAfterFive)
+    shape = ["--tiny", "--engines", "hf_generate", "--engine-process", "--batches", "2", "3", "--prompt-len", "8",
+             "--new-tokens", "40", "--out", str(tmp_path)]
+    long_rollouts.main([*shape, "--time-limit", "600"])
+    got = json.loads((tmp_path / "long_rollouts.json").read_text())
+    assert [(r["batch"], r["stopped_after_tokens"]) for r in got] == [(2, 5), (3, 5)]
+    rate, seconds = got[0]["tok_per_s"], got[0]["seconds"]         # seconds rounded to 0.01: 2 x 5 tokens in them
+    assert rate * seconds == pytest.approx(2 * 5, abs=rate * 0.005 + 0.1)
+    cb = {"engine": "cb_sync_compiled", "batch": 2, "sampler": "greedy", "prompt_len": 8, "new_tokens": 40,
+          "lora": True, "seconds": 1, "peak_gib": 1, "tok_per_s": got[0]["tok_per_s"] * 2}
+    (tmp_path / "cb.json").write_text(json.dumps([cb]))
+    long_rollouts.main(["--from-json", str(tmp_path / "cb.json"), str(tmp_path / "long_rollouts.json"), "--name", "m",
+                        "--out", str(tmp_path)])
+    text = (tmp_path / "m.md").read_text()
+    assert "| hf_generate (stopped after 5 tokens) |" in text
+    assert "2.00x hf_generate (its first 5 tokens: stopped at the time limit)" in text
+    long_rollouts.main([*shape, "--time-limit", "0"])
+    assert [r["error"] for r in json.loads((tmp_path / "long_rollouts.json").read_text())] == [
+        "not run: --time-limit used up"] * 2
