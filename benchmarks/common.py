@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import subprocess
 import time
@@ -14,7 +15,9 @@ RESULTS = Path(__file__).parent / "results"
 WEIGHT_BYTES = 8.06e9          # Qwen3-4B bf16 incl. the 0.78 GB tied lm_head
 LORA_BYTES = 0.13e9
 KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2
-COPY_BANDWIDTH = 4.25e12
+# a device-to-device copy's bytes read and written a second, by card: the H200's measured here (BENCHMARKS.md's
+# roofline), the H100's as the device notes measured it (KINDS.md: ~3.0 TB/s)
+COPY_BANDWIDTHS = {"H200": 4.25e12, "H100": 3.0e12}
 
 
 def qwen3_4b_config(tiny: bool = False):
@@ -68,7 +71,23 @@ def floor_seconds_per_step(batch: int, context: int, lora: bool) -> float:
 
 def floor_seconds(kv_bytes: float, lora: bool) -> float:
     """Bandwidth floor of one decode step that reads kv_bytes of KV: those and the weights (+ adapter), once."""
-    return (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + kv_bytes) / COPY_BANDWIDTH
+    return (WEIGHT_BYTES + (LORA_BYTES if lora else 0) + kv_bytes) / copy_bandwidth()
+
+
+@functools.cache
+def copy_bandwidth() -> float:
+    """The copy bandwidth of this process's card (`COPY_BANDWIDTHS`, by its name); another card's is measured here
+    (a 1 GiB device-to-device copy, the best of 5); without a GPU, the H200's (what CPU replays predict for)."""
+    if not torch.cuda.is_available():
+        return COPY_BANDWIDTHS["H200"]
+    name = torch.cuda.get_device_name()
+    known = [bandwidth for card, bandwidth in COPY_BANDWIDTHS.items() if card in name]
+    if known:
+        return known[0]
+    source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    seconds = min(cuda_seconds(lambda: target.copy_(source)) for _ in range(5))
+    return 2 * source.numel() / seconds
 
 
 def cuda_seconds(fn) -> float:
@@ -128,14 +147,16 @@ def grouped_bars(series: dict[str, dict[int, float]], path, title: str, log_scal
 
 
 def gpu_state() -> dict:
-    """The card's temperature (C), SM clock (MHz) and power draw (W) now, from nvidia-smi; {} where it is absent."""
+    """The card's name, temperature (C), SM clock (MHz) and power draw (W) now, from nvidia-smi; {} where it is
+    absent."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=temperature.gpu,clocks.sm,power.draw",
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,temperature.gpu,clocks.sm,power.draw",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
-        temperature, clock, power = (float(value) for value in out.splitlines()[0].split(","))
+        name, *values = out.splitlines()[0].split(", ")
+        temperature, clock, power = (float(value) for value in values)
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return {}
-    return {"gpu_c": temperature, "sm_mhz": clock, "gpu_w": power}
+    return {"gpu": name, "gpu_c": temperature, "sm_mhz": clock, "gpu_w": power}
 
 
 def environment() -> dict:

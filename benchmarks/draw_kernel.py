@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import COPY_BANDWIDTH, RESULTS, exit_code, graph_us, markdown_table, write_results
+from benchmarks.common import RESULTS, copy_bandwidth, exit_code, graph_us, markdown_table, write_results
 from cb_sync import gumbel_kernel
 
 VARIANTS = {"one_program_a_row": None, "split": gumbel_kernel.SPLIT_COLUMNS}   # None: the row's whole width
@@ -58,7 +58,7 @@ def main(argv=None) -> list[dict]:
             rows.append({"rows": count, "error": "a variant's tokens differ from torch's draw"})
             continue
         scores, seeds, positions = draw_inputs(count, args.vocab)
-        floor_us = 1e6 * scores.numel() * scores.element_size() / COPY_BANDWIDTH
+        floor_us = 1e6 * scores.numel() * scores.element_size() / copy_bandwidth()
         for variant in VARIANTS:
             us = min(graph_us(lambda: draw(scores, seeds, positions, variant), args.launches, 20) for _ in range(2))
             rows.append({"rows": count, "vocab": args.vocab, "variant": variant, "us": round(us, 1),

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (COPY_BANDWIDTH, KV_BYTES_PER_TOKEN, RESULTS, exit_code, graph_us, markdown_table,
+from benchmarks.common import (KV_BYTES_PER_TOKEN, RESULTS, copy_bandwidth, exit_code, graph_us, markdown_table,
                                write_results)
 from cb_sync.attention import sdpa_paged, triton_ops
 from cb_sync.tuning import AttentionTuning
@@ -157,7 +157,7 @@ def main(argv=None) -> list[dict]:
             variants.append(variant)
     for batch, context, spread in ((b, c, s) for b in args.batches for c in args.contexts for s in args.spreads):
         contexts = spread_contexts(batch, context, spread)
-        floor_us = 1e6 * sum(contexts) * KV_BYTES_PER_TOKEN / LAYERS / COPY_BANDWIDTH
+        floor_us = 1e6 * sum(contexts) * KV_BYTES_PER_TOKEN / LAYERS / copy_bandwidth()
         for variant in variants:
             us = min(launch_us(variant, batch, 1, context, args.width_tokens, args.launches, spread)
                      for _ in range(2))

@@ -305,8 +305,8 @@ def _label(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per row, with cb_sync's ratio to every peer row of its batch and sampler among the rows (one machine:
-    one run, or calls merged with --from-json)."""
+    """One line per row, with cb_sync's ratio to every peer row of its workload measured on the same card (calls
+    merged with --from-json may come from several machines: compare within one)."""
     peers = [r for r in rows if r.get("tok_per_s") and r["engine"] in (*VLLM_ENGINES, *HF_ENGINES)]
     lines = []
     for row in rows:
@@ -315,7 +315,7 @@ def table(rows: list[dict]) -> str:
                           f"could not run: {row.get('error', 'no result')}"])
             continue
         ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}{_stopped(p)}" for p in peers
-                  if row["engine"] in CB_ENGINES and _workload(p) == _workload(row)]
+                  if row["engine"] in CB_ENGINES and _workload(p) == _workload(row) and p.get("gpu") == row.get("gpu")]
         steps = " / ".join(str(row.get(f"ms_step_{c}", "-")) for c in CONTEXTS)
         floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS)
         memory = row["peak_gib"] if row.get("card_held_gib") is None else (
@@ -341,13 +341,18 @@ def _preemptions(row: dict) -> str:
         row["preemptions"])
 
 
+def _cards(rows: list[dict]) -> str:
+    """The cards the rows ran on (rows from before cards were recorded ran on the H200)."""
+    return " and ".join(sorted({row.get("gpu", "NVIDIA H200") for row in rows}))
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Tok/s per engine (cb_sync: and KV cap) and batch; skipped without matplotlib."""
     rows = sorted(rows, key=lambda r: (r["engine"] in VLLM_ENGINES, r["engine"], -(r.get("max_cache_gib") or 0)))
     lengths = " or ".join(sorted({f"{r.get('prompt_len', 1024):,}-token prompts, {r.get('new_tokens', 8192):,} new "
                                   "tokens" for r in rows}))
     grouped_bars({_label(row): {r["batch"]: r["tok_per_s"] for r in rows if _label(r) == _label(row)}
-                  for row in rows}, path, f"Workload L (Qwen3-4B shape + LoRA r32, {lengths}), one H200",
+                  for row in rows}, path, f"Workload L (Qwen3-4B shape + LoRA r32, {lengths}), {_cards(rows)}",
                  width_inches=9)
 
 

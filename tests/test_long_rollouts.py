@@ -172,3 +172,22 @@ def test_an_hf_call_stopped_at_the_time_limit_is_a_row_over_the_tokens_it_made(t
     long_rollouts.main([*shape, "--time-limit", "0"])
     assert [r["error"] for r in json.loads((tmp_path / "long_rollouts.json").read_text())] == [
         "not run: --time-limit used up"] * 2
+
+
+def test_ratios_compare_rows_of_the_same_card_only(tmp_path):
+    def row(engine, gpu, tok_per_s):
+        return {"engine": engine, "batch": 8, "sampler": "greedy", "prompt_len": 1024, "new_tokens": 8192,
+                "lora": True, "seconds": 1, "peak_gib": 1, "tok_per_s": tok_per_s, "gpu": gpu}
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([row("cb_sync_compiled", "NVIDIA H100 80GB HBM3", 30.0),
+                                row("vllm", "NVIDIA H200", 10.0), row("vllm", "NVIDIA H100 80GB HBM3", 20.0)]))
+    long_rollouts.main(["--from-json", str(path), "--name", "m", "--out", str(tmp_path)])
+    cb_line = (tmp_path / "m.md").read_text().splitlines()[2]
+    assert cb_line.endswith("| 1.50x vllm |"), cb_line
+
+
+def test_gpu_state_reads_the_card_name(monkeypatch):
+    from benchmarks import common
+    out = "NVIDIA H100 80GB HBM3, 41, 1980, 120.5\n"
+    monkeypatch.setattr(common.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
+    assert common.gpu_state() == {"gpu": "NVIDIA H100 80GB HBM3", "gpu_c": 41.0, "sm_mhz": 1980.0, "gpu_w": 120.5}
