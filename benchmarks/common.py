@@ -15,9 +15,9 @@ RESULTS = Path(__file__).parent / "results"
 WEIGHT_BYTES = 8.06e9          # Qwen3-4B bf16 incl. the 0.78 GB tied lm_head
 LORA_BYTES = 0.13e9
 KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2
-# a device-to-device copy's bytes read and written a second, by card: the H200's measured here (BENCHMARKS.md's
-# roofline), the H100's as the device notes measured it (KINDS.md: ~3.0 TB/s)
-COPY_BANDWIDTHS = {"H200": 4.25e12, "H100": 3.0e12}
+# a device-to-device copy's bytes read and written a second, by the card's name: the H200's as measured on ours (the
+# roofline of NOTES.md), the 80 GB SXM H100's as measured on the H100s lent to this project (~3.0 TB/s)
+COPY_BANDWIDTHS = {"NVIDIA H200": 4.25e12, "NVIDIA H100 80GB HBM3": 3.0e12}
 
 
 def qwen3_4b_config(tiny: bool = False):
@@ -77,14 +77,14 @@ def floor_seconds(kv_bytes: float, lora: bool) -> float:
 @functools.cache
 def copy_bandwidth() -> float:
     """The copy bandwidth of this process's card (`COPY_BANDWIDTHS`, by its name); another card's is measured here
-    (a 1 GiB device-to-device copy, the best of 5); without a GPU, the H200's (what CPU replays predict for)."""
+    (a 256 MiB device-to-device copy, the best of 5: call it before the card fills up); without a GPU, the H200's
+    (what CPU replays predict for)."""
     if not torch.cuda.is_available():
-        return COPY_BANDWIDTHS["H200"]
+        return COPY_BANDWIDTHS["NVIDIA H200"]
     name = torch.cuda.get_device_name()
-    known = [bandwidth for card, bandwidth in COPY_BANDWIDTHS.items() if card in name]
-    if known:
-        return known[0]
-    source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    if name in COPY_BANDWIDTHS:
+        return COPY_BANDWIDTHS[name]
+    source = torch.empty(2**28, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
     seconds = min(cuda_seconds(lambda: target.copy_(source)) for _ in range(5))
     return 2 * source.numel() / seconds
@@ -153,9 +153,12 @@ def gpu_state() -> dict:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,temperature.gpu,clocks.sm,power.draw",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
         name, *values = out.splitlines()[0].split(", ")
-        temperature, clock, power = (float(value) for value in values)
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+    except (OSError, IndexError, subprocess.SubprocessError):
         return {}
+    try:
+        temperature, clock, power = (float(value) for value in values)
+    except ValueError:                  # a reading nvidia-smi gives as [N/A]
+        return {"gpu": name}
     return {"gpu": name, "gpu_c": temperature, "sm_mhz": clock, "gpu_w": power}
 
 

@@ -165,7 +165,7 @@ class CardSampler:
         while True:
             time.sleep(self.period)
             state = gpu_state()
-            if not state:
+            if "sm_mhz" not in state:
                 return
             self.samples.append((state["sm_mhz"], state["gpu_w"], state["gpu_c"]))
 

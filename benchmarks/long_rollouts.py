@@ -5,7 +5,7 @@
         [--sampler greedy|grpo] [--max-cache-gib 96 [16 ...]] [--attn-backend auto|triton|flash|flash_prefill]
         [--name long_rollouts] [--time-limit S]
     python -m benchmarks.long_rollouts --tiny --out DIR      # CPU plumbing check: tiny Qwen3, fp32, a few tokens
-    python -m benchmarks.long_rollouts --from-json A.json B.json --name NAME   # merge calls' rows of one machine
+    python -m benchmarks.long_rollouts --from-json A.json B.json --name NAME   # merge calls' rows
 
 Each engine runs in a process of its own (benchmarks.isolation), one after the other on the same card. A row is one
 engine at one batch size: one timed call after a warm-up call that builds what the timed call uses (for cb_sync: a
@@ -19,7 +19,8 @@ a replayed decode step at contexts of 1k / 4k / 8k tokens, and 16k where prompt 
 `hf_generate` and `hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled
 by `generate` in a first call that stops after 16 tokens, the timed call's cache length, timed apart), greedy, one
 timed call a batch, its steps timed too; a call still running when its process's share of `--time-limit` ends stops
-there, and its row gives the rate over the tokens it made (`stopped_after_tokens`, in the label and the ratios).
+there, and its row gives the rate over the tokens it made (`stopped_after_tokens`, in the label and the ratios). An
+HF engine has what is left of `--time-limit` when it starts: the engines that come after it get what it leaves.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (RESULTS, build_model, exit_code, floor_seconds_per_step, gpu_state, grouped_bars,
-                               markdown_table, write_results)
+from benchmarks.common import (RESULTS, build_model, copy_bandwidth, exit_code, floor_seconds_per_step, gpu_state,
+                               grouped_bars, markdown_table, write_results)
 from benchmarks import throughput
 from benchmarks.isolation import run_child
 from benchmarks.throughput import make_prompts
@@ -176,7 +177,7 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
 
 def _row(engine: str, batch: int, args, seconds: float, peak_gib: float, made: int | None = None) -> dict:
     """A measured row; made: the new tokens a row of the call made where it stopped short of the workload's."""
-    lora, made = engine != "vllm_nolora", made or args.new_tokens
+    lora, made = engine != "vllm_nolora", args.new_tokens if made is None else made
     floor = call_floor_s(batch, args.prompt_len, made, lora)
     return {"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora, "batch": batch,
             "sampler": args.sampler, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -186,11 +187,11 @@ def _row(engine: str, batch: int, args, seconds: float, peak_gib: float, made: i
 
 
 def run_hf_generate(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
-    """HF `generate` with the adapter live, greedy, its steps timed (`throughput.StepClock`). With --time-limit (the
-    process's share, from run_all) a call still running at the limit stops there: its row counts the tokens made
-    (`stopped_after_tokens`) and a batch not started by then is a row saying so; a batch that fails (out of memory)
-    is a row with its error."""
-    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    """HF `generate` with the adapter live, greedy, its steps timed (`throughput.HFStepClock`). With --stop-at (from
+    run_all: the end of what is left of --time-limit, less HF_EXIT_MARGIN_S) a call still running then stops there:
+    its row counts the tokens made (`stopped_after_tokens`), and a batch not started by then is a row saying so; a
+    batch that fails (out of memory) is a row with its error."""
+    deadline = None if args.stop_at is None else time.monotonic() + args.stop_at - time.time()
     length, rows = args.prompt_len + args.new_tokens, []
     for batch in args.batches:
         failed = {"engine": engine, "batch": batch, "lora": True, "sampler": args.sampler,
@@ -198,7 +199,7 @@ def run_hf_generate(engine: str, model, prompts: dict, args, on_row) -> list[dic
         if deadline is not None and time.monotonic() >= deadline:
             rows.append({**failed, "error": "not run: --time-limit used up"})
             continue
-        clock = throughput.StepClock(deadline)
+        clock = throughput.HFStepClock(deadline)
         try:
             seconds, peak, extra = throughput.run_hf_generate(model, prompts[batch], args.new_tokens,
                                                               static=engine == "hf_generate_static",
@@ -219,6 +220,7 @@ def run_hf_generate(engine: str, model, prompts: dict, args, on_row) -> list[dic
 
 def _engine_main(args) -> None:
     """One cb_sync or HF engine in this process: its rows to <out>/<name>.json after each batch."""
+    copy_bandwidth()            # the floors' bandwidth: a card not in COPY_BANDWIDTHS is measured before it fills up
     if args.tiny:
         model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
     else:
@@ -229,16 +231,17 @@ def _engine_main(args) -> None:
     save((run_hf_generate if engine in HF_ENGINES else run_cb_sync)(engine, model, prompts, args, save))
 
 
-def _engine_command(engine: str, args, name: str, seconds: float | None) -> list[str]:
-    """The engine's process; an HF engine gets the seconds it has (less a margin to write its rows) as its own limit."""
+def _engine_command(engine: str, args, name: str, stop_at: float | None) -> list[str]:
+    """The engine's process; an HF engine stops its calls HF_EXIT_MARGIN_S before `stop_at` (time.time()), when the
+    process will be stopped, so that it writes its rows first."""
     shared = ["--name", name, "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len",
               str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--sampler", args.sampler,
               *(["--tiny"] if args.tiny else [])]
     if engine in VLLM_ENGINES:
         return [sys.executable, "-m", "benchmarks.peers_vllm", "--engine", engine, *shared, "--repeats", "1",
                 "--warmup-tokens", str(WARMUP_TOKENS), "--max-model-len", str(args.prompt_len + args.new_tokens)]
-    if engine in HF_ENGINES and seconds is not None:
-        shared += ["--time-limit", str(max(seconds - HF_EXIT_MARGIN_S, 1.0))]
+    if engine in HF_ENGINES and stop_at is not None:
+        shared += ["--stop-at", f"{stop_at - HF_EXIT_MARGIN_S:.1f}"]
     return [sys.executable, "-m", "benchmarks.long_rollouts", "--engines", engine, "--engine-process", *shared,
             "--max-cache-gib", *map(str, args.max_cache_gib), "--attn-backend", args.attn_backend]
 
@@ -258,7 +261,8 @@ def run_all(args) -> list[dict]:
         if left is not None and left <= 0:
             rows += [{**row, "error": "not run: --time-limit used up"} for row in expected]
             continue
-        outcome = run_child(_engine_command(engine, args, name, left), timeout=left)
+        outcome = run_child(_engine_command(engine, args, name, None if left is None else time.time() + left),
+                            timeout=left)
         path = args.out / f"{name}.json"
         got = json.loads(path.read_text()) if path.is_file() else []
         have = {_key(row) for row in got}
@@ -299,9 +303,12 @@ def _label(row: dict) -> str:
     engine = row["engine"] if backend == "auto" else f"{row['engine']} {backend}"
     if row.get("max_cache_gib") is not None:
         return f"{engine} (cap {row['max_cache_gib']:g} GiB)"
-    if row.get("stopped_after_tokens") is not None:
-        return f"{engine} (stopped after {row['stopped_after_tokens']:,} tokens)"
     return engine if row["engine"] != "vllm_nolora" else "vllm_nolora (merged weights)"
+
+
+def _card(row: dict) -> str:
+    """The card a row ran on (rows from before cards were recorded ran on the H200)."""
+    return row.get("gpu", "NVIDIA H200")
 
 
 def table(rows: list[dict]) -> str:
@@ -315,18 +322,18 @@ def table(rows: list[dict]) -> str:
                           f"could not run: {row.get('error', 'no result')}"])
             continue
         ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}{_stopped(p)}" for p in peers
-                  if row["engine"] in CB_ENGINES and _workload(p) == _workload(row) and p.get("gpu") == row.get("gpu")]
+                  if row["engine"] in CB_ENGINES and _workload(p) == _workload(row) and _card(p) == _card(row)]
         steps = " / ".join(str(row.get(f"ms_step_{c}", "-")) for c in CONTEXTS)
         floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS)
         memory = row["peak_gib"] if row.get("card_held_gib") is None else (
             f"{row['card_held_gib']} held / {row['card_reserved_gib']} reserved")
-        lines.append([_label(row), row.get("sampler", "-"), row["batch"], row["tok_per_s"], row["seconds"],
-                      f"{row['pct_of_floor']}%" if row.get("pct_of_floor") is not None else "-", steps, floors,
-                      memory, row.get("kv_gib", "-"), _preemptions(row), row.get("engine_start_s", "-"),
-                      ", ".join(ratios) or "-"])
+        of_floor = f"{row['pct_of_floor']}%" if row.get("pct_of_floor") is not None else "-"
+        lines.append([_label(row) + _stopped(row), row.get("sampler", "-"), row["batch"], row["tok_per_s"],
+                      row["seconds"], of_floor, steps, floors, memory, row.get("kv_gib", "-"), _preemptions(row),
+                      row.get("engine_start_s", "-"), ", ".join(ratios) or "-"])
     return markdown_table(["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k / 16k",
                            "floor ms at 1k / 4k / 8k / 16k", "peak GiB", "KV GiB", "preemptions (tokens recomputed)",
-                           "engine start s", "vs peers (same machine)"], lines)
+                           "engine start s", "vs peers (same card)"], lines)
 
 
 def _stopped(row: dict) -> str:
@@ -341,18 +348,14 @@ def _preemptions(row: dict) -> str:
         row["preemptions"])
 
 
-def _cards(rows: list[dict]) -> str:
-    """The cards the rows ran on (rows from before cards were recorded ran on the H200)."""
-    return " and ".join(sorted({row.get("gpu", "NVIDIA H200") for row in rows}))
-
-
 def plot(rows: list[dict], path: Path) -> None:
     """Tok/s per engine (cb_sync: and KV cap) and batch; skipped without matplotlib."""
     rows = sorted(rows, key=lambda r: (r["engine"] in VLLM_ENGINES, r["engine"], -(r.get("max_cache_gib") or 0)))
     lengths = " or ".join(sorted({f"{r.get('prompt_len', 1024):,}-token prompts, {r.get('new_tokens', 8192):,} new "
                                   "tokens" for r in rows}))
     grouped_bars({_label(row): {r["batch"]: r["tok_per_s"] for r in rows if _label(r) == _label(row)}
-                  for row in rows}, path, f"Workload L (Qwen3-4B shape + LoRA r32, {lengths}), {_cards(rows)}",
+                  for row in rows}, path, f"Workload L (Qwen3-4B shape + LoRA r32, {lengths}), "
+                 f"{' and '.join(sorted({_card(row) for row in rows}))}",
                  width_inches=9)
 
 
@@ -373,9 +376,11 @@ def main(argv=None):
     parser.add_argument("--time-limit", type=float, default=None, help="seconds for all engines together")
     parser.add_argument("--tiny", action="store_true", help="CPU plumbing: tiny Qwen3, batches 2 and 3, 8 + 40 tokens")
     parser.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
-                        help="measure nothing: <out>/<name>.json|md|png from the rows of FILEs (calls on one machine); "
-                             "rows with an error for a batch that another file measured are dropped")
+                        help="measure nothing: <out>/<name>.json|md|png from the rows of FILEs (each card's rows "
+                             "compared among themselves); rows with an error for a batch that another file measured "
+                             "are dropped")
     parser.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stop-at", type=float, default=None, help=argparse.SUPPRESS)   # an HF process's end
     args = parser.parse_args(argv)
     if args.from_json:
         return merge(args.from_json, args.name, args.out)

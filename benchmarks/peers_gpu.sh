@@ -22,7 +22,8 @@
 #   long_vllm_nolora   Workload L, vllm_nolora alone                               -> long_rollouts_vllm_nolora.*
 #   long_hf         Workload L, hf_generate and hf_generate_static                -> long_rollouts_hf.*
 #   long_flash_prefill   Workload L, cb_sync_compiled with attn_backend auto, then flash_prefill, one process
-#                   each (flash-attn 4 on PYTHONPATH: benchmarks/flash_wheels.sh) -> long_rollouts_flash_prefill.*
+#                   each, half the call's time each (flash-attn 4 installed in /tmp/fsite by the two calls of
+#                   benchmarks/flash_wheels.sh)                                  -> long_rollouts_flash_prefill.*
 #   long_attention  decode attention at reasoning lengths, every variant         -> long_attention.*
 #   draw            the sampler's draw over the vocabulary, a program a row against split rows -> draw_kernel.*
 #                   (LONG_ARGS is appended to the long_* stages' arguments: e.g. LONG_ARGS="--sampler grpo")
@@ -108,12 +109,30 @@ grpo() {  # NAME BACKEND... (flags first)
     --unsloth-site /tmp/usite --name "$name" --out "$OUT" $GRPO_ARGS
 }
 
-long_rollouts() {  # NAME ENGINE...
+long_rollouts() {  # NAME ENGINE...  (STAGE_LIMIT: seconds for this run, else what is left)
   local name=$1; shift
-  local limit; limit=$(left)
+  local limit; limit=${STAGE_LIMIT:-$(left)}
+  [ "$limit" -gt 30 ] || { say "long_rollouts $name: no time left"; return 1; }
   say "long_rollouts $* (limit $limit s)"
   timeout -s INT -k 30 "$limit" python3 -m benchmarks.long_rollouts --engines "$@" --name "$name" --out "$OUT" \
     --time-limit $((limit - 30)) $LONG_ARGS
+}
+
+site_flash() {  # flash-attn 4 from /tmp/fsite (benchmarks/flash_wheels.sh's --target install skips its .pth)
+  local site=/tmp/fsite:/tmp/fsite/nvidia_cutlass_dsl/dsl_packages
+  [ -d /tmp/fsite ] && export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+  return 0
+}
+
+need_flash() {
+  python3 -c "import flash_attn.cute" 2>/dev/null || { say "flash-attn 4 does not import: stage skipped"; return 1; }
+}
+
+merge_long() {  # NAME PART...: the Workload L rows of the parts that wrote any, merged into NAME
+  local name=$1 part files=(); shift
+  for part in "$@"; do [ -f "$OUT/$part.json" ] && files+=("$OUT/$part.json"); done
+  [ ${#files[@]} -gt 0 ] || { say "$name: no rows to merge"; return 1; }
+  python3 -m benchmarks.long_rollouts --from-json "${files[@]}" --name "$name" --out "$OUT"
 }
 
 need_vllm() {  # a vLLM stage without vLLM installed fails here, not after its engine start
@@ -136,10 +155,11 @@ run_stages() {
       long_hf)
         long_rollouts long_rollouts_hf hf_generate hf_generate_static ;;
       long_flash_prefill)
-        LONG_ARGS="$LONG_ARGS --attn-backend auto" long_rollouts long_rollouts_backend_auto cb_sync_compiled
-        LONG_ARGS="$LONG_ARGS --attn-backend flash_prefill" long_rollouts long_rollouts_backend_flash cb_sync_compiled
-        python3 -m benchmarks.long_rollouts --from-json "$OUT"/long_rollouts_backend_{auto,flash}.json \
-          --name long_rollouts_flash_prefill --out "$OUT" ;;
+        site_flash && need_flash && {
+          STAGE_LIMIT=$(($(left) / 2)) LONG_ARGS="$LONG_ARGS --attn-backend auto" \
+            long_rollouts long_rollouts_backend_auto cb_sync_compiled
+          LONG_ARGS="$LONG_ARGS --attn-backend flash_prefill" long_rollouts long_rollouts_backend_flash cb_sync_compiled
+          merge_long long_rollouts_flash_prefill long_rollouts_backend_auto long_rollouts_backend_flash; } ;;
       draw)
         say "draw_kernel (limit $(left) s)"
         timeout -s INT -k 30 "$(left)" python3 -m benchmarks.draw_kernel --out "$OUT" ;;

@@ -131,7 +131,7 @@ class StopAfter(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
 
 
-class StepClock(StoppingCriteria):
+class HFStepClock(StoppingCriteria):
     """Times HF `generate`'s steps by sequence length, and stops every row once time.monotonic() passes `deadline`
     (None: never). `generate` checks its criteria after every token and reads on the host whether rows are left, at
     most a step late, so the host keeps within a step of the device and the times between checks are its steps."""
@@ -152,7 +152,8 @@ class StepClock(StoppingCriteria):
         return round(statistics.median(times), 3) if times else None
 
 
-def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None, clock: StepClock | None = None):
+def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None,
+                    clock: HFStepClock | None = None):
     """HF `generate` with its dynamic cache, or with a static cache (which `generate` compiles: timed warm, after
     a first call that compiles for this batch size; warmup_tokens: that call stops after so many new tokens).
     clock: times the timed call's steps, and may stop it at its deadline (its `ends` say how far it got)."""
@@ -164,10 +165,12 @@ def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None
         if static:
             kwargs["cache_implementation"] = "static"
             stop = [StopAfter(ids.shape[1] + warmup_tokens)] if warmup_tokens else []
+            if clock is not None:                   # the compiling call stops at the clock's deadline too
+                stop.append(HFStepClock(clock.deadline))
             first, *_ = _timed(lambda: model.generate(ids, stopping_criteria=StoppingCriteriaList(stop), **kwargs))
             extra["first_call_s"] = round(first, 2)
             extra["first_call_tokens"] = min(warmup_tokens or new_tokens, new_tokens)
-        timed = StoppingCriteriaList([clock] if clock else [])
+        timed = StoppingCriteriaList([] if clock is None else [clock])
         seconds, peak, gc_s = _timed(lambda: model.generate(ids, stopping_criteria=timed, **kwargs))
     return seconds, peak, {**extra, "gc_s": round(gc_s, 4)}
 

@@ -432,6 +432,18 @@ def test_step_headroom_is_at_least_the_floor_and_grows_with_the_step_and_the_mod
     assert step_headroom(small, 16384, 64, 2) == MIN_STEP_HEADROOM_BYTES == 2 * 2**30
     wide, wider = step_headroom(large, 16384, 64, 2), step_headroom(large, 32768, 64, 2)
     assert 3.5 * 2**30 < wide < 4 * 2**30 and 1.9 < wider / wide < 2.0
-    assert step_headroom(large, 16384, 64, 4) > wide                    # float32 activations take twice the room
+    assert step_headroom(large, 16384, 64, 4) > wide                    # float32 activations need more room
 
 
+def test_the_room_kept_for_a_step_is_the_models_estimate_and_named(model, monkeypatch):
+    """The driver keeps step_headroom(model's config, max_batch_tokens, max_batch_size, dtype size) free beside the
+    cache (a step of a million tokens: above the 2 GiB floor), and names it where the free memory sets the limit."""
+    import cb_sync.driver as driver_module
+    from cb_sync.cache import step_headroom
+    driver = SyncCBDriver(model, CBConfig(max_batch_tokens=10**6, max_batch_size=8))
+    kept = []
+    monkeypatch.setattr(driver_module, "device_room", lambda device, held, headroom: kept.append(headroom) or 2**20)
+    blocks, limit = driver._capacity_blocks()
+    expected = step_headroom(model.config, 10**6, 8, 4)
+    assert kept == [expected] and expected > 2 * 2**30
+    assert f"after {expected / 2**30:.3g} GiB kept for a step" in limit, limit

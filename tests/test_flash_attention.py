@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.attention import flash_ops, sdpa_paged, triton_kernels
+from cb_sync.attention import flash_ops, sdpa_paged, triton_kernels, triton_ops
 from cb_sync.graphs import is_pure_decode
 
 from conftest import hf_greedy, make_model, random_prompts
@@ -184,6 +184,8 @@ def test_flash_driver_replays_bit_identical_steps_and_greedy_follows_the_model(b
     from cb_sync.sampling import SamplerKind
     model = make_model("qwen3", lora=True).to("cuda", torch.bfloat16)
     driver = SyncCBDriver(model, CBConfig(max_batch_size=8, attn_backend=backend))
+    assert driver.backends.prefill is flash_ops
+    assert driver.backends.decode is (flash_ops if backend == "flash" else triton_ops)
     prompts = random_prompts([20, 3, 40, 64, 9, 17, 5, 33])
     results = driver.generate(prompts, SamplingParams(max_new_tokens=12))
     replay = driver.runner.replay

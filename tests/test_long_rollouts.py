@@ -123,9 +123,6 @@ def test_rows_of_other_completion_lengths_stay_apart(tmp_path):
 def test_the_static_cache_warm_up_call_stops_early_at_the_timed_calls_cache_length(monkeypatch):
     """HF `generate` with a static cache: the first (compiling) call keeps max_new_tokens, so the cache length and
     the compiled shapes of the timed call, but stops after warmup_tokens; the timed call decodes them all."""
-    import torch
-    from benchmarks import throughput
-    from benchmarks.common import build_model
     model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
     calls, generate = [], model.generate
     monkeypatch.setattr(model, "generate", lambda ids, **kwargs: calls.append((kwargs, generate(ids, **kwargs)))
@@ -138,25 +135,26 @@ def test_the_static_cache_warm_up_call_stops_early_at_the_timed_calls_cache_leng
 def test_the_step_clock_times_hf_generate_by_length_and_stops_it_at_its_deadline():
     model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
     prompts = throughput.make_prompts(model.config.vocab_size, [2], 8)[2]
-    clock = throughput.StepClock(time.monotonic() + 600)
+    clock = throughput.HFStepClock(time.monotonic() + 600)
     throughput.run_hf_generate(model, prompts, 12, clock=clock)
     assert sorted(clock.ends) == list(range(9, 21))              # every new token, by sequence length
     assert clock.ms_at(14, 2) > 0 and clock.ms_at(100, 2) is None
-    stopped = throughput.StepClock(time.monotonic())              # already past: the call stops after one token
+    stopped = throughput.HFStepClock(time.monotonic())              # already past: the call stops after one token
     throughput.run_hf_generate(model, prompts, 12, clock=stopped)
     assert list(stopped.ends) == [9]
 
 
 def test_an_hf_call_stopped_at_the_time_limit_is_a_row_over_the_tokens_it_made(tmp_path, monkeypatch):
-    """A call cut at its process's limit gives its rate over the tokens made, says so in its label and in cb_sync's
-    ratio to it; a batch not started by the limit is a row saying so."""
-    class StopAfterFive(throughput.StepClock):
+    """A call cut short (a clock that stops it after 5 tokens, as a deadline would) gives its rate over the tokens
+    made, says so in its label and in cb_sync's ratio to it; a batch not started by the process's end is a row
+    saying so."""
+    class StopAfterFive(throughput.HFStepClock):
         def __call__(self, input_ids, scores, **kwargs):
             return super().__call__(input_ids, scores, **kwargs) | (input_ids.shape[1] >= 8 + 5)
-    monkeypatch.setattr(throughput, "StepClock", StopAfterFive)
+    monkeypatch.setattr(throughput, "HFStepClock", StopAfterFive)
     shape = ["--tiny", "--engines", "hf_generate", "--engine-process", "--batches", "2", "3", "--prompt-len", "8",
              "--new-tokens", "40", "--out", str(tmp_path)]
-    long_rollouts.main([*shape, "--time-limit", "600"])
+    long_rollouts.main([*shape, "--stop-at", str(time.time() + 600)])
     got = json.loads((tmp_path / "long_rollouts.json").read_text())
     assert [(r["batch"], r["stopped_after_tokens"]) for r in got] == [(2, 5), (3, 5)]
     rate, seconds = got[0]["tok_per_s"], got[0]["seconds"]         # seconds rounded to 0.01: 2 x 5 tokens in them
@@ -167,9 +165,9 @@ def test_an_hf_call_stopped_at_the_time_limit_is_a_row_over_the_tokens_it_made(t
     long_rollouts.main(["--from-json", str(tmp_path / "cb.json"), str(tmp_path / "long_rollouts.json"), "--name", "m",
                         "--out", str(tmp_path)])
     text = (tmp_path / "m.md").read_text()
-    assert "| hf_generate (stopped after 5 tokens) |" in text
+    assert "| hf_generate (its first 5 tokens: stopped at the time limit) |" in text
     assert "2.00x hf_generate (its first 5 tokens: stopped at the time limit)" in text
-    long_rollouts.main([*shape, "--time-limit", "0"])
+    long_rollouts.main([*shape, "--stop-at", str(time.time())])
     assert [r["error"] for r in json.loads((tmp_path / "long_rollouts.json").read_text())] == [
         "not run: --time-limit used up"] * 2
 
@@ -191,3 +189,13 @@ def test_gpu_state_reads_the_card_name(monkeypatch):
     out = "NVIDIA H100 80GB HBM3, 41, 1980, 120.5\n"
     monkeypatch.setattr(common.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
     assert common.gpu_state() == {"gpu": "NVIDIA H100 80GB HBM3", "gpu_c": 41.0, "sm_mhz": 1980.0, "gpu_w": 120.5}
+
+
+def test_engine_commands_carry_the_backend_and_an_hf_process_its_end():
+    args = SimpleNamespace(out="o", batches=[8], prompt_len=1024, new_tokens=8192, sampler="greedy", tiny=False,
+                           max_cache_gib=[96.0], attn_backend="flash_prefill")
+    cb = long_rollouts._engine_command("cb_sync_compiled", args, "n", 1000.0)
+    assert cb[cb.index("--attn-backend") + 1] == "flash_prefill" and "--stop-at" not in cb
+    hf = long_rollouts._engine_command("hf_generate", args, "n", 1000.0)
+    assert hf[hf.index("--stop-at") + 1] == f"{1000.0 - long_rollouts.HF_EXIT_MARGIN_S:.1f}"
+    assert "--stop-at" not in long_rollouts._engine_command("hf_generate", args, "n", None)

@@ -72,7 +72,7 @@ def offsets_to_pools(rows: torch.Tensor, k_caches: list[torch.Tensor], v_caches:
 
 
 MIN_STEP_HEADROOM_BYTES = 2 * 2**30    # the Qwen3-4B shape with LoRA took ~1.3 GiB beside its weights and KV at
-                                       # 16,384 tokens a step, where step_headroom's estimate is 1.7 GiB
+                                       # 16,384 tokens a step, where step_headroom's estimate is 1.6 GiB
 
 
 def step_headroom(text_config, max_batch_tokens: int, max_batch_size: int, element_size: int) -> int:
@@ -84,7 +84,7 @@ def step_headroom(text_config, max_batch_tokens: int, max_batch_size: int, eleme
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or hidden // heads
     intermediate = getattr(text_config, "intermediate_size", None) or 4 * hidden
-    per_token = (3 * intermediate + 2 * (heads + 2 * kv_heads) * head_dim + 4 * hidden) * element_size
+    per_token = (3 * intermediate + (2 * heads + 2 * kv_heads) * head_dim + 4 * hidden) * element_size
     per_row = 3 * text_config.vocab_size * 4
     return max(MIN_STEP_HEADROOM_BYTES, max_batch_tokens * per_token + max_batch_size * per_row)
 
