@@ -91,11 +91,14 @@ def copy_bandwidth() -> float:
 
 
 def cuda_seconds(fn) -> float:
-    """Wall seconds of fn(), the device synchronised before and after."""
-    torch.cuda.synchronize()
+    """Wall seconds of fn(), the device (where there is one) synchronised before and after."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 

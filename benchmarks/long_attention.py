@@ -15,7 +15,8 @@ Variants: `triton` (cb_sync's kernels, the default tuning), `triton_pps3` / `tri
 aiming at 3 / 8 / 16 programs an SM, decode only; 3 keeps batch 8, 32 and 64's grids within one wave of 4 programs
 an SM: 448, 512 and 512 programs), and `flash` (flash-attn 4's paged kernels, one split in decode: it has no split-KV
 path on sm90; skipped with its reason where it cannot run). Each is checked against sdpa_paged on a small decode
-batch, one of spread contexts and a small prefill batch first.
+batch, one of spread contexts and a small prefill batch first; those checks are timed, the first use of its kernels
+in the process (their compile included, unless a disk cache holds them: flash-attn 4 compiles at first use).
 
     python -m benchmarks.long_attention [--batches 8 32 64] [--contexts 1024 4096 8192 16384] [--variants ...]
         [--prefills 16x1024 2x8192]
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (KV_BYTES_PER_TOKEN, RESULTS, copy_bandwidth, exit_code, graph_us, markdown_table,
-                               write_results)
+from benchmarks.common import (KV_BYTES_PER_TOKEN, RESULTS, copy_bandwidth, cuda_seconds, exit_code, graph_us,
+                               markdown_table, write_results)
 from cb_sync.attention import sdpa_paged, triton_ops
 from cb_sync.tuning import AttentionTuning
 
@@ -84,6 +85,11 @@ def step_fn(variant: str, inputs: dict):
         return lambda: flash_ops.flash_store_and_attend_op(**inputs)
     tuning = TUNINGS[variant].ints()
     return lambda: triton_ops.store_and_attend_op(**inputs, tuning=tuning)
+
+
+# the checks each variant runs first, in this order: (kind, query tokens a request, context, spread); their times are
+# the first use of its kernels in the process, compiling them included (unless a disk cache holds them)
+FIRST_USES = (("decode", 1, 3000, 0.0), ("decode, spread contexts", 1, 3000, 0.5), ("prefill", 300, 700, 0.0))
 
 
 def check(variant: str, q_len: int, batch: int = 4, context: int = 3000, device="cuda", dtype=torch.bfloat16,
@@ -145,8 +151,9 @@ def main(argv=None) -> list[dict]:
         reason = flash_unavailable() if variant == "flash" else None
         if reason is None:
             try:
-                for q_len, spread in ((1, 0.0), (1, 0.5), (300, 0.0)):
-                    check(variant, q_len, context=3000 if q_len == 1 else 700, spread=spread)
+                first_use = {kind: round(cuda_seconds(lambda: check(variant, q_len, context=context, spread=spread)), 3)
+                             for kind, q_len, context, spread in FIRST_USES}
+                rows.append({"kind": "first_use", "variant": variant, "seconds": first_use})
             except Exception as error:                # a variant that fails its check is reported, not timed
                 reason = f"check against sdpa_paged failed: {error!r}"[:600]
         if reason:
@@ -198,6 +205,9 @@ def report(rows: list[dict], args) -> str:
         table += "\nPrefill steps (fresh prompts):\n\n" + markdown_table(
             ["variant", "requests", "tokens each", "us a layer", "TFLOP/s", "36 layers ms"],
             [[r["variant"], r["batch"], r["context"], r["us"], r["tflop_per_s"], r["step_ms"]] for r in prefill])
+    table += "".join(f"\n{r['variant']}: first use (its check against sdpa_paged, compiling included), seconds: "
+                     + ", ".join(f"{kind} {s}" for kind, s in r["seconds"].items()) + "\n"
+                     for r in rows if r.get("kind") == "first_use")
     table += "".join(f"\n{r['variant']}: not run: {r['error']}\n" for r in rows if "error" in r)
     write_results(args.name, rows, table, args.out)
     return table

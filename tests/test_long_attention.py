@@ -53,12 +53,17 @@ def test_prefill_flops_count_each_querys_causal_keys():
 
 
 def test_decode_rows_per_spread_share_the_floor_and_name_the_longest(tmp_path, monkeypatch):
-    """main's rows and table with the timing and the check stubbed (they need CUDA graphs): a row a spread, the same
-    floor (the same KV in total), the longest context in the table."""
+    """main's rows and table with the timing and the check stubbed (they need CUDA graphs): the variant's first use
+    (its checks' times), then a row a spread, the same floor (the same KV in total), the longest context in the
+    table."""
     monkeypatch.setattr(long_attention, "check", lambda *args, **kwargs: None)
     monkeypatch.setattr(long_attention, "launch_us", lambda *args: 10.0 + 5.0 * args[-1])
     rows = long_attention.main(["--batches", "2", "--contexts", "64", "--spreads", "0", "0.5", "--prefills",
                                 "--variants", "triton", "--out", str(tmp_path)])
+    first_use, *rows = rows
     assert [(r["spread"], r["longest"], r["us"]) for r in rows] == [(0.0, 64, 10.0), (0.5, 96, 12.5)]
     assert rows[0]["floor_us"] == rows[1]["floor_us"] > 0
-    assert "| triton | 2 | 64 (96) | 12.5 |" in (tmp_path / "long_attention.md").read_text()
+    text = (tmp_path / "long_attention.md").read_text()
+    assert "| triton | 2 | 64 (96) | 12.5 |" in text
+    assert first_use["kind"] == "first_use" and list(first_use["seconds"]) == [k for k, *_ in long_attention.FIRST_USES]
+    assert "triton: first use (its check against sdpa_paged, compiling included), seconds: decode " in text
