@@ -18,9 +18,9 @@ a replayed decode step at contexts of 1k / 4k / 8k tokens, and 16k where prompt 
 64 tokens of each, read to read). vLLM's rows: the card memory its engine holds and the share it reserves.
 `hf_generate` and `hf_generate_static` are HF `generate` with the adapter live (dynamic cache; static cache compiled
 by `generate` in a first call that stops after 16 tokens, the timed call's cache length, timed apart), greedy, one
-timed call a batch, its steps timed too; a call still running when its process's share of `--time-limit` ends stops
-there, and its row gives the rate over the tokens it made (`stopped_after_tokens`, in the label and the ratios). An
-HF engine has what is left of `--time-limit` when it starts: the engines that come after it get what it leaves.
+timed call a batch, its steps timed too. An HF engine has what is left of `--time-limit` when it starts (the
+engines after it get what it leaves); a call still running when that ends stops there, and its row gives the rate
+over the tokens it made (`stopped_after_tokens`, in the label and the ratios).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ MAX_BATCH_TOKENS = 16384                 # cb_sync's token budget a step: 16 of 
 CB_ENGINES = ("cb_sync_compiled", "cb_sync")
 HF_ENGINES = ("hf_generate", "hf_generate_static")    # greedy only; static: the cache compiled by `generate`
 VLLM_ENGINES = ("vllm", "vllm_nolora")
-HF_EXIT_MARGIN_S = 45                    # an HF process stops its call this long before its share of --time-limit
+HF_EXIT_MARGIN_S = 45                    # an HF process stops its call this long before it is stopped
 DEFAULT_ENGINES = ("cb_sync_compiled", "vllm", "vllm_nolora")
 
 
