@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 
 from .attention import StepBackends, invariant, sdpa_paged, select_backends
 from .batch_invariant import check_model, invariant_ops
-from .cache import (BlockAllocator, PagedKVCache, blocks_at_once, blocks_for, blocks_to_allocate, device_room,
-                    step_headroom)
+from .cache import (BlockAllocator, PagedKVCache, attention_heads, blocks_at_once, blocks_for, blocks_to_allocate,
+                    device_room, step_headroom)
 from .config import CBConfig, SamplingParams
 from .graphs import decode_buckets
 from .lora import invariant_tuning, kernel_row_limit, lora_kernels
@@ -61,8 +61,7 @@ class SyncCBDriver:
         text_config = base.config.get_text_config()
         embeddings = base.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        _, num_kv_heads, head_dim = attention_heads(text_config)
         self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
                                   self.dtype, self.device)
         self.backends = StepBackends(invariant, invariant) if self.config.batch_invariant else select_backends(
@@ -111,8 +110,9 @@ class SyncCBDriver:
             return []
         self._follow_model()
         cfg = self.config
-        capacity, limit = self._capacity_blocks()
-        check_fits(requests, base.config.get_text_config(), cfg.block_size, capacity, limit)
+        text_config = base.config.get_text_config()
+        capacity, limit = self._capacity_blocks(text_config)
+        check_fits(requests, text_config, cfg.block_size, capacity, limit)
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_positions for r in requests], cfg.block_size,
                                                           cfg.max_batch_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
@@ -197,7 +197,7 @@ class SyncCBDriver:
             bar.update(request.params.max_new_tokens - len(request.output))
         bar.update(live)
 
-    def _capacity_blocks(self) -> tuple[int, str]:
+    def _capacity_blocks(self, text_config) -> tuple[int, str]:
         """The most KV blocks this call may allocate, and what sets that limit: CBConfig's num_blocks or
         max_cache_gib, or on a GPU with less free memory than the cap, that memory less what a step needs
         (`device_room`, `step_headroom`): the call then preempts instead of running out of memory."""
@@ -205,8 +205,7 @@ class SyncCBDriver:
         if cfg.num_blocks is not None:
             return cfg.num_blocks, f"CBConfig num_blocks={cfg.num_blocks}"
         cap = int(cfg.max_cache_gib * 2**30)
-        headroom = step_headroom(base_model(self.model).config.get_text_config(), cfg.max_batch_tokens,
-                                 cfg.max_batch_size, self.dtype.itemsize)
+        headroom = step_headroom(text_config, cfg.max_batch_tokens, cfg.max_batch_size, self.dtype.itemsize)
         room = device_room(self.device, self.cache.nbytes, headroom)
         if room is not None and room < cap:     # the pools held now serve the call whatever is free
             return max(room // self.cache.bytes_per_block, self.cache.num_blocks), (

@@ -443,7 +443,7 @@ def test_the_room_kept_for_a_step_is_the_models_estimate_and_named(model, monkey
     driver = SyncCBDriver(model, CBConfig(max_batch_tokens=10**6, max_batch_size=8))
     kept = []
     monkeypatch.setattr(driver_module, "device_room", lambda device, held, headroom: kept.append(headroom) or 2**20)
-    blocks, limit = driver._capacity_blocks()
+    blocks, limit = driver._capacity_blocks(model.config)
     expected = step_headroom(model.config, 10**6, 8, 4)
     assert kept == [expected] and expected > 2 * 2**30
     assert f"after {expected / 2**30:.3g} GiB kept for a step" in limit, limit

@@ -71,6 +71,13 @@ def offsets_to_pools(rows: torch.Tensor, k_caches: list[torch.Tensor], v_caches:
     return torch.tensor(offsets, dtype=torch.int64).view(-1, 2)
 
 
+def attention_heads(text_config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a model's text config, with HF's defaults where a field is absent."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+
+
 MIN_STEP_HEADROOM_BYTES = 2 * 2**30    # the Qwen3-4B shape with LoRA took ~1.3 GiB beside its weights and KV at
                                        # 16,384 tokens a step, where step_headroom's estimate is 1.6 GiB
 
@@ -80,9 +87,7 @@ def step_headroom(text_config, max_batch_tokens: int, max_batch_size: int, eleme
     token: the MLP's gate, up and product, q/k/v and the attention output, a few hidden-state copies, in the model's
     dtype; per sampled row: float32 logits, probabilities and noise), at least MIN_STEP_HEADROOM_BYTES."""
     hidden = text_config.hidden_size
-    heads = text_config.num_attention_heads
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+    heads, kv_heads, head_dim = attention_heads(text_config)
     intermediate = getattr(text_config, "intermediate_size", None) or 4 * hidden
     per_token = (3 * intermediate + (2 * heads + 2 * kv_heads) * head_dim + 4 * hidden) * element_size
     per_row = 3 * text_config.vocab_size * 4
