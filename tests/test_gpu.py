@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import Counter
 
@@ -145,6 +146,38 @@ def test_release_then_generate_same_tokens():
     assert driver.cache.k_caches[0].data_ptr() != held[0][0].data_ptr()
     assert driver.runner.replay.graphs.graphs == captured
     assert [r.token_ids for r in fourth] == [r.token_ids for r in first]
+
+
+def test_a_card_with_less_free_memory_than_the_call_needs_preempts_instead_of_running_out(caplog):
+    """The card's memory filled but for ~96 MiB beside the step's headroom: the cache takes what is free, the call
+    (~320 MiB of KV at once) preempts and recomputes, and its greedy tokens are a roomy call's."""
+    import logging
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from cb_sync.cache import device_room, step_headroom
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=256, max_position_embeddings=1024,
+                         initializer_range=0.2)                  # 32 KiB of fp32 KV a token
+    model = AutoModelForCausalLM.from_config(config).eval().to("cuda")
+    prompts, params = random_prompts([24] * 16), SamplingParams(max_new_tokens=600)
+    cb_config = CBConfig(max_batch_size=16, max_cache_gib=64)
+    roomy = SyncCBDriver(model, cb_config).generate(prompts, params)
+    torch.cuda.empty_cache()
+    driver = SyncCBDriver(model, cb_config)
+    headroom = step_headroom(config, cb_config.max_batch_tokens, cb_config.max_batch_size, 4)
+    left = 96 * 2**20
+    filler = torch.empty(device_room(driver.device, driver.cache.nbytes, headroom) - left, dtype=torch.uint8,
+                         device="cuda")
+    try:
+        with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
+            results = driver.generate(prompts, params)
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    message = caplog.records[0].getMessage()
+    assert re.match(r"[1-9]\d* preemptions: ", message) and "(the GPU's free memory, " in message, message
+    assert 0.5 * left < driver.cache.nbytes <= 1.1 * left
+    assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
 
 
 @pytest.fixture(scope="module")
