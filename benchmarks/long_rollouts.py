@@ -323,17 +323,23 @@ def table(rows: list[dict]) -> str:
             continue
         ratios = [f"{row['tok_per_s'] / p['tok_per_s']:.2f}x {p['engine']}{_stopped(p)}" for p in peers
                   if row["engine"] in CB_ENGINES and _workload(p) == _workload(row) and _card(p) == _card(row)]
-        steps = " / ".join(str(row.get(f"ms_step_{c}", "-")) for c in CONTEXTS)
-        floors = " / ".join(str(row.get(f"floor_ms_{c}", "-")) for c in CONTEXTS)
+        steps = " / ".join(_cell(row, f"ms_step_{c}") for c in CONTEXTS)
+        floors = " / ".join(_cell(row, f"floor_ms_{c}") for c in CONTEXTS)
         memory = row["peak_gib"] if row.get("card_held_gib") is None else (
             f"{row['card_held_gib']} held / {row['card_reserved_gib']} reserved")
         of_floor = f"{row['pct_of_floor']}%" if row.get("pct_of_floor") is not None else "-"
         lines.append([_label(row) + _stopped(row), row.get("sampler", "-"), row["batch"], row["tok_per_s"],
                       row["seconds"], of_floor, steps, floors, memory, row.get("kv_gib", "-"), _preemptions(row),
-                      row.get("engine_start_s", "-"), ", ".join(ratios) or "-"])
-    return markdown_table(["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k / 16k",
-                           "floor ms at 1k / 4k / 8k / 16k", "peak GiB", "KV GiB", "preemptions (tokens recomputed)",
-                           "engine start s", "vs peers (same card)"], lines)
+                      row.get("engine_start_s", row.get("warmup_s", "-")), ", ".join(ratios) or "-"])
+    headers = ["engine", "sampler", "batch", "tok/s", "s", "of floor", "ms/step at 1k / 4k / 8k / 16k",
+               "floor ms at 1k / 4k / 8k / 16k", "peak GiB", "KV GiB", "preemptions (tokens recomputed)",
+               "engine start (cb_sync: warm-up) s", "vs peers (same card)"]
+    return f"{caption(rows)}\n\n{markdown_table(headers, lines)}"
+
+
+def _cell(row: dict, key: str) -> str:
+    """A row's value, "-" where the call never reached it (a context below the prompt or past the completion)."""
+    return "-" if row.get(key) is None else str(row[key])
 
 
 def _stopped(row: dict) -> str:
@@ -351,12 +357,15 @@ def _preemptions(row: dict) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     """Tok/s per engine (cb_sync: and KV cap) and batch; skipped without matplotlib."""
     rows = sorted(rows, key=lambda r: (r["engine"] in VLLM_ENGINES, r["engine"], -(r.get("max_cache_gib") or 0)))
+    grouped_bars({_label(row): {r["batch"]: r["tok_per_s"] for r in rows if _label(r) == _label(row)}
+                  for row in rows}, path, caption(rows), width_inches=9)
+
+
+def caption(rows: list[dict]) -> str:
+    """The workloads and cards of `rows`, in words."""
     lengths = " or ".join(sorted({f"{r.get('prompt_len', 1024):,}-token prompts, {r.get('new_tokens', 8192):,} new "
                                   "tokens" for r in rows}))
-    grouped_bars({_label(row): {r["batch"]: r["tok_per_s"] for r in rows if _label(r) == _label(row)}
-                  for row in rows}, path, f"Workload L (Qwen3-4B shape + LoRA r32, {lengths}), "
-                 f"{' and '.join(sorted({_card(row) for row in rows}))}",
-                 width_inches=9)
+    return f"Workload L (Qwen3-4B shape + LoRA r32, {lengths}), {' and '.join(sorted({_card(r) for r in rows}))}"
 
 
 def main(argv=None):

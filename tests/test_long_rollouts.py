@@ -81,7 +81,9 @@ def test_merge_keeps_measured_rows_and_drops_errors_measured_elsewhere(tmp_path)
         paths[-1].write_text(json.dumps([{**r, "lora": True, "seconds": 1, "peak_gib": 1} for r in rows]))
     merged = long_rollouts.main(["--from-json", *map(str, paths), "--name", "m", "--out", str(tmp_path)])
     assert [(r["batch"], r["tok_per_s"]) for r in merged] == [(8, 10.0), (64, 30.0)]
-    assert (tmp_path / "m.md").read_text().count("\n") == 4
+    caption, blank, *table = (tmp_path / "m.md").read_text().splitlines()
+    assert caption.endswith("1,024-token prompts, 8,192 new tokens), NVIDIA H200") and not blank
+    assert len(table) == 4                                              # header, rule, a row a batch
 
 
 def test_merge_keeps_a_row_for_each_attention_backend_and_labels_it(tmp_path):
@@ -180,8 +182,22 @@ def test_ratios_compare_rows_of_the_same_card_only(tmp_path):
     path.write_text(json.dumps([row("cb_sync_compiled", "NVIDIA H100 80GB HBM3", 30.0),
                                 row("vllm", "NVIDIA H200", 10.0), row("vllm", "NVIDIA H100 80GB HBM3", 20.0)]))
     long_rollouts.main(["--from-json", str(path), "--name", "m", "--out", str(tmp_path)])
-    cb_line = (tmp_path / "m.md").read_text().splitlines()[2]
+    cb_line = (tmp_path / "m.md").read_text().splitlines()[4]
     assert cb_line.endswith("| 1.50x vllm |"), cb_line
+
+
+def test_contexts_a_call_never_decoded_at_read_as_a_dash_and_cb_sync_shows_its_warm_up(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"engine": "cb_sync_compiled", "batch": 32, "sampler": "greedy", "lora": True,
+                                 "prompt_len": 8192, "new_tokens": 1024, "seconds": 1, "peak_gib": 1,
+                                 "tok_per_s": 5.0, "ms_step_1024": None, "ms_step_4096": None, "ms_step_8192": 17.5,
+                                 "warmup_s": 85.1, "gpu": "NVIDIA H100 80GB HBM3"}]))
+    long_rollouts.main(["--from-json", str(path), "--name", "m", "--out", str(tmp_path)])
+    lines = (tmp_path / "m.md").read_text().splitlines()
+    assert lines[0] == ("Workload L (Qwen3-4B shape + LoRA r32, 8,192-token prompts, 1,024 new tokens), "
+                        "NVIDIA H100 80GB HBM3")
+    cells = [c.strip() for c in lines[4].split("|")]
+    assert cells[7] == "- / - / 17.5 / -" and cells[12] == "85.1", cells
 
 
 def test_gpu_state_reads_the_card_name(monkeypatch):
