@@ -26,7 +26,7 @@ class CBConfig:
     attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton" | "flash" (flash-attn 4's paged
         kernels, an optional extra: ValueError naming what is missing where they cannot run) | "flash_prefill"
         (flash-attn 4 for steps with prompt tokens, which include the recompute of preempted requests; Triton for
-        pure decode).
+        pure decode: faster than auto with prompts of ~1k tokens and more, slower with short ones).
     cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton or flash backend; the sdpa_paged
         reference syncs with the host and always runs eagerly).
     compile: torch.compile the decode step before capture (CUDA graphs only; elsewhere ignored with a warning);
