@@ -175,12 +175,17 @@ def run_cb_sync(engine: str, model, prompts: dict, args, on_row) -> list[dict]:
     return rows
 
 
+def _identity(engine: str, batch: int, args) -> dict:
+    """What every row of an engine at a batch says, measured or not: the engine, the adapter, the workload."""
+    return {"engine": engine, "batch": batch, "lora": engine != "vllm_nolora", "sampler": args.sampler,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+
+
 def _row(engine: str, batch: int, args, seconds: float, peak_gib: float, made: int | None = None) -> dict:
     """A measured row; made: the new tokens a row of the call made where it stopped short of the workload's."""
-    lora, made = engine != "vllm_nolora", args.new_tokens if made is None else made
-    floor = call_floor_s(batch, args.prompt_len, made, lora)
-    return {"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora, "batch": batch,
-            "sampler": args.sampler, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    made, identity = args.new_tokens if made is None else made, _identity(engine, batch, args)
+    floor = call_floor_s(batch, args.prompt_len, made, identity["lora"])
+    return {**identity, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape",
             "tok_per_s": round(batch * made / seconds, 1), "seconds": round(seconds, 2),
             "peak_gib": round(peak_gib, 2), "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1),
             **({"stopped_after_tokens": made} if made < args.new_tokens else {})}
@@ -194,8 +199,7 @@ def run_hf_generate(engine: str, model, prompts: dict, args, on_row) -> list[dic
     deadline = None if args.stop_at is None else time.monotonic() + args.stop_at - time.time()
     length, rows = args.prompt_len + args.new_tokens, []
     for batch in args.batches:
-        failed = {"engine": engine, "batch": batch, "lora": True, "sampler": args.sampler,
-                  "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+        failed = _identity(engine, batch, args)
         if deadline is not None and time.monotonic() >= deadline:
             rows.append({**failed, "error": "not run: --time-limit used up"})
             continue
@@ -254,8 +258,7 @@ def run_all(args) -> list[dict]:
         name = f"{args.name}_{engine}"
         left = None if stop is None else stop - time.monotonic()
         cb = engine in CB_ENGINES
-        expected = [{"engine": engine, "batch": b, "lora": engine != "vllm_nolora", "sampler": args.sampler,
-                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        expected = [{**_identity(engine, b, args),
                      **({"max_cache_gib": cap, "attn_backend": args.attn_backend} if cb else {})}
                     for cap in (args.max_cache_gib if cb else [None]) for b in args.batches]
         if left is not None and left <= 0:
@@ -289,18 +292,22 @@ def merge(paths: list[str], name: str, out: Path) -> list[dict]:
 
 def _key(row: dict) -> tuple:
     """What a row measured: engine, workload (batch, sampler, lengths) and, for cb_sync, its KV cap and attention
-    backend (rows from before the backend was recorded ran "auto")."""
-    backend = row.get("attn_backend", "auto" if row["engine"] in CB_ENGINES else None)
-    return (row["engine"], *_workload(row), row.get("max_cache_gib"), backend)
+    backend."""
+    return (row["engine"], *_workload(row), row.get("max_cache_gib"), _backend(row))
 
 
 def _workload(row: dict) -> tuple:
     return row["batch"], row.get("sampler"), row.get("prompt_len"), row.get("new_tokens")
 
 
+def _backend(row: dict) -> str | None:
+    """cb_sync's attention backend in a row (rows from before it was recorded ran "auto"); None for the peers."""
+    return row.get("attn_backend", "auto") if row["engine"] in CB_ENGINES else None
+
+
 def _label(row: dict) -> str:
-    backend = row.get("attn_backend", "auto")
-    engine = row["engine"] if backend == "auto" else f"{row['engine']} {backend}"
+    backend = _backend(row)
+    engine = row["engine"] if backend in ("auto", None) else f"{row['engine']} {backend}"
     if row.get("max_cache_gib") is not None:
         return f"{engine} (cap {row['max_cache_gib']:g} GiB)"
     return engine if row["engine"] != "vllm_nolora" else "vllm_nolora (merged weights)"
