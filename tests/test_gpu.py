@@ -164,7 +164,7 @@ def test_a_card_with_less_free_memory_than_the_call_needs_preempts_instead_of_ru
     roomy = SyncCBDriver(model, cb_config).generate(prompts, params)
     torch.cuda.empty_cache()
     driver = SyncCBDriver(model, cb_config)
-    headroom = step_headroom(config, cb_config.max_batch_tokens, cb_config.max_batch_size, 4)
+    headroom = step_headroom(config, cb_config.max_batch_tokens, cb_config.max_batch_size, model.dtype.itemsize)
     left = 96 * 2**20
     filler = torch.empty(device_room(driver.device, driver.cache.nbytes, headroom) - left, dtype=torch.uint8,
                          device="cuda")
