@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.common import graph_us, markdown_table
 from cb_sync.attention import triton_kernels
-from cb_sync.cache import offsets_to_pools
+from cb_sync.engine.kv_cache import offsets_to_pools
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 

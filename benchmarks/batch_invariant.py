@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.common import build_model, markdown_table, write_results
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.invariant_forward import invariant_logits, invariant_logprobs
+from cb_sync.batch_invariant.trainer import invariant_logits, invariant_logprobs
 from cb_sync.tuning import KernelTuning, LoraTuning
 
 

@@ -17,9 +17,9 @@ import torch
 
 from benchmarks.common import RESULTS, build_model, floor_seconds_per_step, markdown_table, write_results
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.lora import fast_forward, lora_kernels as lora_kernels_for
-from cb_sync.model_state import generation_mode
-from cb_sync.sampling import SamplerKind
+from cb_sync.lora import lora_kernels as lora_kernels_for, peft_forward as fast_forward
+from cb_sync.model_patching.generation_mode import generation_mode
+from cb_sync.sampling.sampler import SamplerKind
 from cb_sync.tuning import KernelTuning, LoraTuning
 
 CONTEXT = 384

@@ -18,9 +18,9 @@ import torch
 from benchmarks.common import RESULTS, build_model, markdown_table, write_results
 from benchmarks.decode_graphs import _ms_per_call, kernel_profile
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.sampling import sampler_kind
+from cb_sync.sampling.sampler import sampler_kind
 from cb_sync.lora import lora_kernels
-from cb_sync.model_state import generation_mode
+from cb_sync.model_patching.generation_mode import generation_mode
 
 PROMPT, NEW = 256, 128
 REPEATS = 3          # medians of three calls each

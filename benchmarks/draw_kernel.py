@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import RESULTS, copy_bandwidth, exit_code, graph_us, markdown_table, write_results
-from cb_sync import gumbel_kernel
+from cb_sync.sampling import draw_kernel as gumbel_kernel
 
 VARIANTS = {"one_program_a_row": None, "split": gumbel_kernel.SPLIT_COLUMNS}   # None: the row's whole width
 
@@ -35,7 +35,7 @@ def draw_inputs(rows: int, vocab: int, device: str = "cuda", seed: int = 0):
 
 def draws_agree(rows: int, vocab: int, device: str = "cuda") -> bool:
     """Every variant's tokens equal torch's draw (sampling's uniform noise and argmax) on fresh random logits."""
-    from cb_sync.sampling import uniform_noise
+    from cb_sync.sampling.sampler import uniform_noise
     scores, seeds, positions = draw_inputs(rows, vocab, device, seed=int(torch.randint(0, 2 ** 31, ())))
     noise = uniform_noise(seeds, positions, torch.arange(vocab, device=device)[None])
     expected = (scores - torch.log(-torch.log(noise))).argmax(dim=-1)

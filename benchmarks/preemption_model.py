@@ -28,10 +28,10 @@ from types import SimpleNamespace
 
 from benchmarks.common import KV_BYTES_PER_TOKEN, RESULTS, floor_seconds, markdown_table, write_results
 from benchmarks.long_rollouts import ContextSteps
-from cb_sync.cache import BlockAllocator
+from cb_sync.engine.block_allocator import BlockAllocator
 from cb_sync.config import SamplingParams
-from cb_sync.request import Request
-from cb_sync.scheduler import Scheduler
+from cb_sync.engine.request import Request
+from cb_sync.engine.scheduler import Scheduler
 
 PREFILL_S_PER_TOKEN = 0.359 / 16384
 BLOCK_SIZE = 16

@@ -1,8 +1,8 @@
 """cb_sync: synchronous continuous batching for Hugging Face causal LMs, from the very modules being trained."""
 
 from .config import CBConfig, SamplingParams
-from .driver import SyncCBDriver
-from .request import GenerationResult
+from .engine.driver import SyncCBDriver
+from .engine.request import GenerationResult
 
 __all__ = ["CBConfig", "GenerationResult", "SamplingParams", "SyncCBDriver"]
 __version__ = "0.1.0"

@@ -11,13 +11,14 @@ import torch
 
 from benchmarks.batch_invariant import padded_batch
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.attention import invariant, sdpa_paged
-from cb_sync.attention.invariant_training import _plain_attention, invariant_attention_forward, positions_from_mask
+from cb_sync.attention import sdpa_paged
+from cb_sync.batch_invariant import attention as invariant
+from cb_sync.batch_invariant.training_attention import _plain_attention, invariant_attention_forward, positions_from_mask
 from cb_sync.attention.metadata import AttnMetadata
-from cb_sync import batch_invariant, invariant_forward
-from cb_sync.attention.invariant_training import INVARIANT_IMPLEMENTATION
-from cb_sync.batch_invariant import ROWS, invariant_ops, suspended
-from cb_sync.invariant_forward import default_forward, invariant_logits, invariant_logprobs, invariant_training
+from cb_sync.batch_invariant import ops as batch_invariant, trainer as invariant_forward
+from cb_sync.batch_invariant.training_attention import INVARIANT_IMPLEMENTATION
+from cb_sync.batch_invariant.ops import ROWS, invariant_ops, suspended
+from cb_sync.batch_invariant.trainer import default_forward, invariant_logits, invariant_logprobs, invariant_training
 
 from conftest import make_model, random_prompts
 
@@ -134,7 +135,7 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
     """The Triton kernel (CUDA's path; interpreted here) against the plain-torch path, and a row alone against the
     same row among others (a padded row, contexts of 1 to 151 keys, GQA)."""
     pytest.importorskip("triton")
-    from cb_sync.attention import invariant_kernel
+    from cb_sync.batch_invariant import attention_kernel as invariant_kernel
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache = torch.randn(2, 80, 4, 2, 16, generator=gen)
     query = torch.randn(9, 4, 16, generator=gen)
@@ -157,10 +158,10 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
 def serve_kernels(monkeypatch, means: bool = True):
     """Both sides through the (interpreted) Triton kernels, as on CUDA: attention, LoRA layers, and means."""
     pytest.importorskip("triton")
-    from cb_sync import batch_invariant, invariant_forward
-    from cb_sync.lora import fast_forward
+    from cb_sync.batch_invariant import ops as batch_invariant, trainer as invariant_forward
+    from cb_sync.batch_invariant import lora as invariant_lora
     monkeypatch.setattr(invariant, "_kernel_serves", lambda query: True)
-    monkeypatch.setattr(fast_forward, "_invariant_kernel_serves", lambda device: True)
+    monkeypatch.setattr(invariant_lora, "_invariant_kernel_serves", lambda device: True)
     if means:
         monkeypatch.setattr(batch_invariant, "_mean_kernel_serves", lambda x: x.is_floating_point())
 
@@ -293,7 +294,7 @@ def test_invariant_logprobs_gradient_is_autograds():
 def test_trainer_pages_hold_one_table_per_sequence():
     """The trainer's sequences in pages: a table per sequence and each token's sequence, not a table per token (which
     would take B x T x pages entries a layer: 256 MiB at 8 x 8,192 tokens)."""
-    from cb_sync.attention.invariant_training import _paged, positions_from_mask
+    from cb_sync.batch_invariant.training_attention import _paged, positions_from_mask
     key = torch.randn(3, 2, 40, 16)
     mask = torch.ones(3, 40, dtype=torch.long)
     mask[1, :7] = 0                                                    # a left-padded row

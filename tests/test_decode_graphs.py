@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.cache import offsets_to_pools
-from cb_sync.graphs import model_fingerprint
-from cb_sync.patching import module_list
+from cb_sync.engine.kv_cache import offsets_to_pools
+from cb_sync.runner.cuda_graphs import model_fingerprint
+from cb_sync.model_patching.swaps import module_list
 from cb_sync.runner import compiled
-from cb_sync.sampling import CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, sampler_kind
+from cb_sync.sampling.sampler import CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, sampler_kind
 
 from conftest import StepLog, hf_greedy, make_model, random_prompts
 
@@ -419,7 +419,7 @@ def test_compiled_forward_computes_the_rotary_tables_once():
     """Inductor would evaluate cos/sin inside each layer's query and key kernels; with the tables materialized
     one kernel computes them. Eager calls return the module's own tables, nesting wraps once, and the forward is
     restored."""
-    from cb_sync.rotary import rotary_tables_materialized
+    from cb_sync.model_patching.rotary import rotary_tables_materialized
     model = make_model("qwen3")
     rotary = model.model.rotary_emb
     ids = torch.tensor([[3, 1, 4, 1, 5]])

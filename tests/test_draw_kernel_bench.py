@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from benchmarks import draw_kernel  # noqa: E402
-from cb_sync import gumbel_kernel  # noqa: E402
+from cb_sync.sampling import draw_kernel as gumbel_kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

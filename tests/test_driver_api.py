@@ -13,8 +13,8 @@ from transformers import PreTrainedModel
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import ATTN_IMPLEMENTATION
-from cb_sync.model_state import generation_mode
-from cb_sync.patching import module_list
+from cb_sync.model_patching.generation_mode import generation_mode
+from cb_sync.model_patching.swaps import module_list
 from cb_sync.tuning import AttentionTuning, LoraTuning
 
 from conftest import VOCAB, StepLog, hf_greedy, make_model, random_prompts
@@ -139,7 +139,7 @@ def test_bad_lora_tuning(kwargs, match):
 def test_a_call_that_preempts_says_what_it_needed_on_the_log(caplog):
     model = make_model("qwen3")
     prompts, params = random_prompts([30] * 4), SamplingParams(max_new_tokens=40)
-    with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
+    with caplog.at_level(logging.WARNING, logger="cb_sync.engine.driver"):
         capped = SyncCBDriver(model, CBConfig(block_size=4, num_blocks=24, max_batch_tokens=64))
         results = capped.generate(prompts, params)
         assert len(caplog.records) == 1
@@ -183,7 +183,7 @@ def test_composite_models_keep_each_sub_configs_attention():
     support check, after a call, after a call that raised, and after the trainer's batch-invariant blocks."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-    from cb_sync.invariant_forward import default_forward, invariant_training
+    from cb_sync.batch_invariant.trainer import default_forward, invariant_training
     text = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -381,14 +381,14 @@ def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_ou
     """Where the device's free memory (`device_room`) is below max_cache_gib, the cache takes what is free and the
     call preempts, its tokens those of a roomy call; a request that cannot fit that memory raises, naming it; the
     pools already held serve a call whatever is free; where the memory exceeds the cap, the cap rules."""
-    import cb_sync.driver as driver_module
+    import cb_sync.engine.driver as driver_module
     prompts, params = random_prompts([30] * 4), SamplingParams(max_new_tokens=40)
     roomy = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64)).generate(prompts, params)
     driver = SyncCBDriver(model, CBConfig(block_size=4, max_batch_tokens=64))
     per_block, rooms, room = driver.cache.bytes_per_block, [], {"blocks": 24}
     monkeypatch.setattr(driver_module, "device_room",
                         lambda device, held, headroom: rooms.append(held) or room["blocks"] * per_block + 5)
-    with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
+    with caplog.at_level(logging.WARNING, logger="cb_sync.engine.driver"):
         results = driver.generate(prompts, params)
     assert driver.cache.num_blocks == 24 and rooms == [0]
     message = caplog.records[0].getMessage()
@@ -409,7 +409,7 @@ def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_ou
 
 
 def test_device_room_counts_free_unused_and_held_memory_less_the_headroom(monkeypatch):
-    from cb_sync.cache import device_room
+    from cb_sync.engine.kv_cache import device_room
     assert device_room(torch.device("cpu"), 10 ** 9, 2**30) is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**30)
@@ -424,8 +424,8 @@ def test_step_headroom_is_at_least_the_floor_and_grows_with_the_step_and_the_mod
     """The Qwen3-4B shape at 16,384 tokens a step (~1.3 GiB measured beside weights and KV) stays at the 2 GiB floor;
     a Qwen3-32B shape there needs more, in proportion to the step's tokens above the floor."""
     from types import SimpleNamespace
-    from cb_sync.cache import step_headroom
-    from cb_sync.cache.kv_cache import MIN_STEP_HEADROOM_BYTES
+    from cb_sync.engine.kv_cache import step_headroom
+    from cb_sync.engine.kv_cache import MIN_STEP_HEADROOM_BYTES
     shape = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
     small = SimpleNamespace(hidden_size=2560, intermediate_size=9728, **shape)
     large = SimpleNamespace(hidden_size=5120, intermediate_size=25600, **{**shape, "num_attention_heads": 64})
@@ -438,8 +438,8 @@ def test_step_headroom_is_at_least_the_floor_and_grows_with_the_step_and_the_mod
 def test_the_room_kept_for_a_step_is_the_models_estimate_and_named(model, monkeypatch):
     """The driver keeps step_headroom(model's config, max_batch_tokens, max_batch_size, dtype size) free beside the
     cache (a step of a million tokens: above the 2 GiB floor), and names it where the free memory sets the limit."""
-    import cb_sync.driver as driver_module
-    from cb_sync.cache import step_headroom
+    import cb_sync.engine.driver as driver_module
+    from cb_sync.engine.kv_cache import step_headroom
     driver = SyncCBDriver(model, CBConfig(max_batch_tokens=10**6, max_batch_size=8))
     kept = []
     monkeypatch.setattr(driver_module, "device_room", lambda device, held, headroom: kept.append(headroom) or 2**20)

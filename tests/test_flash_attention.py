@@ -12,7 +12,7 @@ import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import flash_ops, sdpa_paged, triton_kernels, triton_ops
-from cb_sync.graphs import is_pure_decode
+from cb_sync.runner.cuda_graphs import is_pure_decode
 
 from conftest import hf_greedy, make_model, random_prompts
 
@@ -181,8 +181,8 @@ def test_flash_driver_replays_bit_identical_steps_and_greedy_follows_the_model(b
     """A replayed decode step (flash's, or Triton's under flash_prefill) equals the same step run uncaptured; greedy
     tokens are (near-)argmax of a teacher-forced HF forward of the same bf16 model."""
     from cb_sync.lora import lora_kernels
-    from cb_sync.model_state import generation_mode
-    from cb_sync.sampling import SamplerKind
+    from cb_sync.model_patching.generation_mode import generation_mode
+    from cb_sync.sampling.sampler import SamplerKind
     model = make_model("qwen3", lora=True).to("cuda", torch.bfloat16)
     driver = SyncCBDriver(model, CBConfig(max_batch_size=8, attn_backend=backend))
     assert driver.backends.prefill is flash_ops

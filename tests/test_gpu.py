@@ -11,9 +11,9 @@ import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.lora import lora_kernels
-from cb_sync.model_state import generation_mode
-from cb_sync.sampling import SamplerKind
-from cb_sync.scheduler import Scheduler
+from cb_sync.model_patching.generation_mode import generation_mode
+from cb_sync.sampling.sampler import SamplerKind
+from cb_sync.engine.scheduler import Scheduler
 
 from conftest import StepLog, make_model, random_prompts
 
@@ -153,7 +153,7 @@ def test_a_card_with_less_free_memory_than_the_call_needs_preempts_instead_of_ru
     (~320 MiB of KV at once) preempts and recomputes, and its greedy tokens are a roomy call's."""
     import logging
     from transformers import AutoModelForCausalLM, Qwen3Config
-    from cb_sync.cache import device_room, step_headroom
+    from cb_sync.engine.kv_cache import device_room, step_headroom
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=256, max_position_embeddings=1024,
@@ -169,7 +169,7 @@ def test_a_card_with_less_free_memory_than_the_call_needs_preempts_instead_of_ru
     filler = torch.empty(device_room(driver.device, driver.cache.nbytes, headroom) - left, dtype=torch.uint8,
                          device="cuda")
     try:
-        with caplog.at_level(logging.WARNING, logger="cb_sync.driver"):
+        with caplog.at_level(logging.WARNING, logger="cb_sync.engine.driver"):
             results = driver.generate(prompts, params)
     finally:
         del filler
@@ -281,7 +281,7 @@ def test_batch_invariant_mode_on_the_4b_shape():
     train-mode full-sequence forward of the batch (left-padded) gives the generator's logprobs bit for bit."""
     from benchmarks.batch_invariant import padded_batch
     from benchmarks.common import build_model
-    from cb_sync.invariant_forward import invariant_logits, invariant_logprobs
+    from cb_sync.batch_invariant.trainer import invariant_logits, invariant_logprobs
 
     model = build_model(lora=True)
     gen = torch.Generator().manual_seed(0)

@@ -12,9 +12,11 @@ import torch
 pytest.importorskip("triton")
 peft = pytest.importorskip("peft")
 
-from cb_sync.batch_invariant import invariant_ops  # noqa: E402
-from cb_sync.lora import fast_forward, invariant_tuning, kernels, lora_kernels  # noqa: E402
-from cb_sync.row_mean import row_mean  # noqa: E402
+from cb_sync.batch_invariant.ops import invariant_ops  # noqa: E402
+from cb_sync.batch_invariant import lora as invariant_lora
+from cb_sync.batch_invariant.lora import invariant_tuning
+from cb_sync.lora import kernels, lora_kernels  # noqa: E402
+from cb_sync.batch_invariant.row_mean import row_mean  # noqa: E402
 from cb_sync.tuning import LoraTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,7 +86,7 @@ def test_row_mean_matches_torch_and_is_row_invariant():
 
 def test_invariant_ops_take_the_row_mean_kernel_where_it_serves(monkeypatch):
     """Means over the last dimension go to the kernel (dim and keepdim in every form), others keep row blocks."""
-    from cb_sync import batch_invariant, row_mean as module
+    from cb_sync.batch_invariant import ops as batch_invariant, row_mean as module
     calls = []
     original = module.row_mean
     monkeypatch.setattr(module, "row_mean", lambda rows: calls.append(rows.shape) or original(rows))
@@ -108,11 +110,11 @@ def _lora_layer():
 
 @pytest.mark.parametrize("base", ["in_the_kernel", "autocast", "hooked"])
 def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(base, monkeypatch):
-    """With gradients the fixed tiling runs a differentiable op: its outputs equal the no-grad kernel path's bit for
+    """With gradients the fixed tiling runs the differentiable op it is given: its outputs equal the no-grad kernel path's bit for
     bit (the generator's), its gradients for x, A, B and (trained too here) the base weight and bias match PEFT's
     autograd. A base layer the kernel does not compute (under autocast to another dtype, or with a forward hook) runs
     its own forward on both sides."""
-    monkeypatch.setattr(fast_forward, "_invariant_kernel_serves", lambda device: True)
+    monkeypatch.setattr(invariant_lora, "_invariant_kernel_serves", lambda device: True)
     tuning = invariant_tuning(True, LoraTuning(), torch.device(DEVICE))
     model, layer = _lora_layer()
     layer.base_layer.requires_grad_(True)
@@ -128,7 +130,7 @@ def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(base, monk
     with context():
         expected = layer(x.requires_grad_())             # PEFT's own forward and autograd
         expected_grads = torch.autograd.grad(expected, [x, *params], grad)
-        with lora_kernels(model, tuning=tuning), invariant_ops():
+        with lora_kernels(model, tuning=tuning, differentiable=invariant_lora.lora_linear), invariant_ops():
             with torch.no_grad():
                 generator = layer(x)
             out = layer(x)

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 peft = pytest.importorskip("peft")
 
-from cb_sync.lora import fast_forward, kernels, lora_kernels  # noqa: E402
+from cb_sync.lora import kernels, lora_kernels, peft_forward as fast_forward  # noqa: E402
 from cb_sync.tuning import LoraTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.sampling import (CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, SamplingBatch, _filter_and_draw, sample,
+from cb_sync.sampling.sampler import (CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, SamplingBatch, _filter_and_draw, sample,
                               sample_exactly)
 
 from conftest import make_model, random_prompts
@@ -17,7 +17,7 @@ from conftest import make_model, random_prompts
 @pytest.fixture(params=["torch", "kernel"])
 def draw_path(request, monkeypatch):
     """The draw in torch (the CPU's), or in the Triton kernel that CUDA runs (here through the interpreter)."""
-    import cb_sync.sampling as sampling
+    import cb_sync.sampling.sampler as sampling
     if request.param == "kernel":
         monkeypatch.setattr(sampling, "_kernel_draws", lambda scores: True)
     return request.param
@@ -125,7 +125,7 @@ def test_no_logprobs_unless_asked():
 
 
 def test_noise_is_strictly_inside_the_unit_interval():
-    from cb_sync.sampling import uniform_noise
+    from cb_sync.sampling.sampler import uniform_noise
     tokens = torch.arange(1 << 18).expand(64, -1)
     u = uniform_noise(torch.full((64,), 12345), torch.arange(64), tokens)
     assert 0 < u.min() and u.max() < 1
@@ -134,7 +134,7 @@ def test_noise_is_strictly_inside_the_unit_interval():
 def test_vocabulary_hashed_once_draws_the_same_noise(draw_path):
     """Rows over the whole vocabulary take the tokens' hashes from one table (in order, or gathered for sorted rows),
     and the kernel hashes them itself: the noise, and so the draw, equal those of hashing every (row, token) pair."""
-    from cb_sync.sampling import _gumbel_argmax, uniform_noise
+    from cb_sync.sampling.sampler import _gumbel_argmax, uniform_noise
     rows, vocab = 5, 1000
     gen = torch.Generator().manual_seed(3)
     seeds = torch.randint(0, 2 ** 62, (rows,), generator=gen)
@@ -155,9 +155,9 @@ def test_vocabulary_hashed_once_draws_the_same_noise(draw_path):
 
 def _check_kernel_draw(device: str, split_columns: int, monkeypatch) -> None:
     """The Triton draw against torch's on fresh random rows on `device`, rows split every `split_columns`."""
-    import cb_sync.sampling as sampling
-    from cb_sync import gumbel_kernel
-    from cb_sync.gumbel_kernel import gumbel_argmax
+    import cb_sync.sampling.sampler as sampling
+    from cb_sync.sampling import draw_kernel as gumbel_kernel
+    from cb_sync.sampling.draw_kernel import gumbel_argmax
     monkeypatch.setattr(gumbel_kernel, "SPLIT_COLUMNS", split_columns)
     monkeypatch.setattr(sampling, "_kernel_draws", lambda scores: False)      # torch's draw, the expected one
     seed = int(torch.randint(0, 2 ** 31, ()))
@@ -234,7 +234,7 @@ def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, 
 def test_top_k_candidates_give_the_sorted_vocabulary_tokens_through_the_kernel(temperature, top_k, top_p, min_p,
                                                                                monkeypatch):
     """The same with both draws in the Triton kernel (fewer rows: it runs interpreted here)."""
-    import cb_sync.sampling as sampling
+    import cb_sync.sampling.sampler as sampling
     monkeypatch.setattr(sampling, "_kernel_draws", lambda scores: True)
     _check_candidates_against_sorted_vocabulary(48, 2000, temperature, top_k, top_p, min_p, True)
 
@@ -296,7 +296,7 @@ def test_a_row_draws_the_same_whatever_path_the_other_rows_need(draw_path):
 def test_candidate_rows_take_the_candidates_draw_when_the_batch_also_sorts(monkeypatch):
     """Routing: with the sorted vocabulary computed for another row, a candidate row still takes its candidates'
     draw (float sums over 64 or over all columns may round apart on a GPU), a tied or non-candidate row the other."""
-    import cb_sync.sampling as sampling
+    import cb_sync.sampling.sampler as sampling
     real = sampling._filter_and_draw
 
     def full_path_draws_token_0(values, order, batch, vocab):
@@ -320,7 +320,7 @@ def test_candidate_rows_take_the_candidates_draw_when_the_batch_also_sorts(monke
 def test_kernel_draw_equals_torch_draw_on_cuda(rows, with_ids, monkeypatch):
     """On CUDA the kernel draws what torch's hash, logs and argmax draw, over the whole 151,936-token vocabulary (or
     64 candidates of it): the same noise bits and CUDA's logf on both sides."""
-    import cb_sync.sampling as sampling
+    import cb_sync.sampling.sampler as sampling
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2 ** 31, ())))
     vocab = 151_936
     columns = CANDIDATES if with_ids else vocab
@@ -343,8 +343,8 @@ def test_kernel_draw_equals_torch_draw_on_cuda(rows, with_ids, monkeypatch):
 def test_kernel_noise_has_torch_bits_on_cuda(with_ids):
     """Scores equal to torch's log(-log(u)) make every noisy score exactly 0 in torch, so its draw is column 0; the
     kernel draws column 0 only if no column's log(-log(u)) came out below torch's (CUDA's logf on both sides)."""
-    from cb_sync.gumbel_kernel import gumbel_argmax
-    from cb_sync.sampling import uniform_noise
+    from cb_sync.sampling.draw_kernel import gumbel_argmax
+    from cb_sync.sampling.sampler import uniform_noise
     rows, vocab = 8, 151_936
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2 ** 31, ())))
     seeds = torch.randint(-2 ** 62, 2 ** 62, (rows,), device="cuda", generator=gen)

@@ -7,10 +7,11 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cb_sync.cache import BlockAllocator, blocks_for
+from cb_sync.engine.block_allocator import BlockAllocator
+from cb_sync.engine.kv_cache import blocks_for
 from cb_sync.config import SamplingParams
-from cb_sync.request import Request, Status
-from cb_sync.scheduler import Scheduler
+from cb_sync.engine.request import Request, Status
+from cb_sync.engine.scheduler import Scheduler
 
 
 @given(st.lists(st.sampled_from(["alloc", "share", "free"]), max_size=60), st.integers(1, 8))

@@ -24,12 +24,16 @@ import types
 
 import torch
 from transformers import GenerationConfig
+
 # transformers' own output type, so consumers of generate_batch work unchanged
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+from transformers.generation.continuous_batching.requests import (
+    GenerationOutput,
+    RequestStatus,
+)
 
 from ..config import CBConfig, SamplingParams
-from ..driver import SyncCBDriver
-from ..validation import prompt_rows
+from ..engine.driver import SyncCBDriver
+from ..engine.validation import prompt_rows
 
 logger = logging.getLogger(__name__)
 

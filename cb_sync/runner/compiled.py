@@ -12,7 +12,7 @@ from torch.fx.experimental import _config as shape_config
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from ..attention import AttnMetadata
-from ..patching import base_model
+from ..model_patching.swaps import base_model
 
 # independent elementwise kernels (the q and k norms and rotary embeddings, ...) in one launch: measured faster on
 # the 4B shape's decode step

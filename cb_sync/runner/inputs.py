@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import AttnMetadata
-from ..request import Request
-from ..sampling import SAMPLING_COLUMNS, SamplerKind, SamplingBatch, sampling_columns
+from ..engine.request import Request
+from ..sampling.sampler import (
+    SAMPLING_COLUMNS,
+    SamplerKind,
+    SamplingBatch,
+    sampling_columns,
+)
 
 ALIGN = 16     # bytes: every field starts where vectorised loads may assume alignment
 _TOKEN_FIELDS = ("input_ids", "positions", "slots")          # one entry a token of the step

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from ..graphs import DecodeGraphs, bucket_for, is_pure_decode, model_fingerprint
-from ..sampling import SamplerKind, sample, sampler_kind
+from ..sampling.sampler import SamplerKind, sample, sampler_kind
+from .cuda_graphs import DecodeGraphs, bucket_for, is_pure_decode, model_fingerprint
 from .inputs import StepBuffers, step_columns
 from .output import StepOutput
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import StepBackends
-from ..cache import PagedKVCache
-from ..graphs import is_pure_decode
-from ..sampling import sample_exactly, sampler_kind
+from ..engine.kv_cache import PagedKVCache
+from ..sampling.sampler import sample_exactly, sampler_kind
 from ..tuning import AttentionTuning
 from .compiled import CompiledForward, eager_forward
+from .cuda_graphs import is_pure_decode
 from .inputs import StepBuffers, step_columns
 from .output import EagerOutput, StepOutput
 from .replay import DecodeReplay

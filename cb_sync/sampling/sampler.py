@@ -11,7 +11,6 @@ from enum import Enum
 
 import torch
 
-
 _MASK32 = 0xFFFFFFFF
 CANDIDATES = 64       # a row with 0 < top_k <= MAX_CANDIDATE_TOP_K filters the top CANDIDATES tokens only
 MAX_CANDIDATE_TOP_K = 32
@@ -148,7 +147,9 @@ def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.
     once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work. On CUDA, the
     Triton kernel of `gumbel_kernel` draws the same noise."""
     if _kernel_draws(scores):
-        from .gumbel_kernel import gumbel_argmax     # Triton: a GPU install's (`cb_sync[gpu]`), imported where used
+        from .draw_kernel import (
+            gumbel_argmax,  # Triton: a GPU install's (`cb_sync[gpu]`), imported where used
+        )
         return gumbel_argmax(scores, batch.seeds, batch.positions, token_ids)
     n = scores.shape[1]
     if token_ids is not None and n != vocab:

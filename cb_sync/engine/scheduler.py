@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache import BlockAllocator, blocks_for
-from ..request import Request, Status
+from .block_allocator import BlockAllocator
+from .kv_cache import blocks_for
+from .request import Request, Status
 
 
 @dataclass(slots=True)

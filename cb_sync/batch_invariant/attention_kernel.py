@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _attend_range
+from ..attention.triton_kernels import _attend_range
 
 
 @triton.jit(do_not_specialize=["stride_qt", "stride_tt", "stride_ot"])

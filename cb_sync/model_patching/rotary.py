@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .patching import forwards_swapped
+from .swaps import forwards_swapped
 
 
 @torch.library.custom_op("cb_sync::materialize", mutates_args=())

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .cache import blocks_for
-from .config import SamplingParams, as_int, seed_int
+from ..config import SamplingParams, as_int, seed_int
+from .kv_cache import blocks_for
 from .request import Request
 
 

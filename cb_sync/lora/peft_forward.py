@@ -4,7 +4,7 @@ The swapped forward reads the very `lora_A` / `lora_B` parameters the trainer up
 PEFT's function, also under autocast; anything it does not cover goes to PEFT's own forward: several active
 adapters, merged or disabled adapters, DoRA and other variants, LoRA bias, active dropout, hooked modules
 (accelerate offload), weights on another device, ranks above MAX_RANK, extra arguments, gradients to compute
-(except in the fixed tiling of batch-invariant mode: there a differentiable op, `autograd.lora_linear`), non-Linear
+(except in the fixed tiling of batch-invariant mode, where the caller passes a differentiable op), non-Linear
 base layers, eager steps of the tuning's host-bound sizes, and steps too large for the kernel's int32
 offsets (`kernel_row_limit`: a compiled step has no size test, so its caller keeps it within that bound).
 
@@ -17,14 +17,12 @@ to guard).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
 
-from ..patching import base_model, forwards_swapped, module_list
+from ..model_patching.swaps import base_model, forwards_swapped, module_list
 from ..tuning import LoraTuning
-from .autograd import lora_linear
 
 MAX_RANK = 128   # the kernel holds a row tile's whole rank in registers
 KERNEL_MAX_ELEMENTS = torch.iinfo(torch.int32).max   # rows x features within reach of the kernel's int32 offsets
@@ -163,7 +161,7 @@ def _base_kind(layer, x: torch.Tensor) -> tuple[bool, bool]:
     return _base_fusable([layer], x), layer.bias is None
 
 
-def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tuning: LoraTuning):
+def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tuning: LoraTuning, differentiable):
     ints = tuning.ints()
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -171,9 +169,9 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
         base = module.base_layer
-        if tuning.fixed_tiling and _wants_grad(x, adapter.lora_a, adapter.lora_b, base.weight, base.bias):
+        if differentiable is not None and _wants_grad(x, adapter.lora_a, adapter.lora_b, base.weight, base.bias):
             # a batch-invariant trainer's forward: this projection alone, differentiable
-            return lora_linear(x, base, *adapter, _base_fusable([base], x), ints)
+            return differentiable(x, base, *adapter, _base_fusable([base], x), ints)
         kept = group.take(index, x, adapter)
         if kept is not None:
             return kept
@@ -204,26 +202,18 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
     return forward
 
 
-def invariant_tuning(enabled: bool, tuning: LoraTuning, device: torch.device) -> LoraTuning | None:
-    """Batch-invariant mode's LoRA kernel tuning, the same for the generator and the trainer: one tiling for every row
-    count, all base GEMMs in the kernel. None where the kernel does not serve (lora_kernels=False, or off CUDA):
-    PEFT's forward in row blocks."""
-    return dataclasses.replace(tuning, fixed_tiling=1) if enabled and _invariant_kernel_serves(device) else None
-
-
-def _invariant_kernel_serves(device: torch.device) -> bool:
-    return device.type == "cuda"
-
 
 def lora_kernels(model: torch.nn.Module, enabled: bool = True, modules: list | None = None,
-                 tuning: LoraTuning = LoraTuning()):
+                 tuning: LoraTuning = LoraTuning(), differentiable=None):
     """Within the block, PEFT LoRA Linear modules of `model` run the Triton LoRA kernel where it applies (modules:
-    the model's modules if already walked, see `patching.module_list`)."""
+    the model's modules if already walked, see `model_patching.swaps.module_list`). differentiable: the op a forward
+    that needs gradients calls in the fixed tiling (`batch_invariant.lora.lora_linear`); None: PEFT's forward."""
     groups = _lora_groups(module_list(model) if modules is None else modules) if enabled else {}
     if groups:
         from cb_sync.lora import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
     return forwards_swapped([module for module, _, _ in groups.values()],
-                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:], tuning))
+                            lambda module: _kernel_forward(module, module.forward, *groups[id(module)][1:], tuning,
+                                                           differentiable))
 
 
 def kernel_row_limit(model: torch.nn.Module) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 
 class Status(Enum):

@@ -1,6 +1,6 @@
 """Row-invariant paged attention: each query row's output depends on its own query and context only, whatever the
 step (decode, a prefill chunk, a recompute after preemption) and whatever else is in it, for
-`CBConfig(batch_invariant=True)`. On CUDA one Triton launch (`invariant_kernel`, a program per row); elsewhere plain
+`CBConfig(batch_invariant=True)`. On CUDA one Triton launch (`attention_kernel`, a program per row); elsewhere plain
 torch, below, which is also the reference the kernel is tested against (the two round differently: one device, one
 implementation, on the generator's side and the trainer's alike).
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..batch_invariant import ROWS
-from .metadata import AttnMetadata
-from .sdpa_paged import store_kv, token_requests
+from ..attention.metadata import AttnMetadata
+from ..attention.sdpa_paged import store_kv, token_requests
+from .ops import ROWS
 
 KEYS_PER_BLOCK = 64       # key positions per online-softmax block: the kernel's tile; plain torch takes whole cache
                           # blocks (key_block_pages)
@@ -35,8 +35,8 @@ def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     sequence (its row of block_tables); row_positions [T]: the row's position p (it sees keys 0..p, within the
     window); -1 marks a padded row (zeros out). Returns [T, Hq, D] in query's dtype."""
     if _kernel_serves(query):
-        from . import invariant_kernel
-        return invariant_kernel.row_attention(query, k_cache, v_cache, block_tables, row_tables, row_positions,
+        from . import attention_kernel
+        return attention_kernel.row_attention(query, k_cache, v_cache, block_tables, row_tables, row_positions,
                                               scale, KEYS_PER_BLOCK, sliding_window, softcap)
     num_rows, num_heads, head_dim = query.shape
     pages = key_block_pages(k_cache.shape[1])
@@ -111,7 +111,7 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     request's context."""
     k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
     if k_cache.is_cuda:                 # a kernel with no host synchronisation: decode steps are captured
-        from .triton_kernels import store_kv as store_kv_on_device
+        from ..attention.triton_kernels import store_kv as store_kv_on_device
         store_kv_on_device(key, value, k_cache, v_cache, meta.slot_mapping)
     else:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

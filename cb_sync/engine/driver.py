@@ -11,20 +11,30 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .attention import StepBackends, invariant, sdpa_paged, select_backends
-from .batch_invariant import check_model, invariant_ops
-from .cache import (BlockAllocator, PagedKVCache, attention_heads, blocks_at_once, blocks_for, blocks_to_allocate,
-                    device_room, step_headroom)
-from .config import CBConfig, SamplingParams
-from .graphs import decode_buckets
-from .lora import invariant_tuning, kernel_row_limit, lora_kernels
-from .model_state import check_supported, generation_mode
-from .patching import base_model
+from ..attention import StepBackends, sdpa_paged, select_backends
+from ..batch_invariant import attention as invariant
+from ..batch_invariant import check_model, invariant_ops
+from ..batch_invariant.lora import invariant_tuning
+from ..config import CBConfig, SamplingParams
+from ..lora import kernel_row_limit, lora_kernels
+from ..model_patching.generation_mode import check_supported, generation_mode
+from ..model_patching.swaps import base_model
+from ..runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
+from ..runner.compiled import eager_forward
+from ..runner.cuda_graphs import decode_buckets
+from ..tuning import LoraTuning
+from .block_allocator import BlockAllocator
+from .kv_cache import (
+    PagedKVCache,
+    attention_heads,
+    blocks_at_once,
+    blocks_for,
+    blocks_to_allocate,
+    device_room,
+    step_headroom,
+)
 from .request import GenerationResult, Request, Status
-from .runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
-from .runner.compiled import eager_forward
 from .scheduler import Scheduler
-from .tuning import LoraTuning
 from .validation import build_requests, check_fits
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from .invariant import row_attention
+from .attention import row_attention
 
 INVARIANT_IMPLEMENTATION = "cb_sync_invariant"
 

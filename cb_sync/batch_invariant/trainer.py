@@ -2,7 +2,7 @@
 logprobs `SyncCBDriver` returned when it sampled them with `CBConfig(batch_invariant=True)`.
 
 The model runs its own forward (with gradients) under `batch_invariant.invariant_ops()`, its attention through the
-generator's row-invariant kernel (`attention.invariant_training`) at the tokens' own positions (padding removed), and
+generator's row-invariant kernel (`training_attention`) at the tokens' own positions (padding removed), and
 the logprobs come from the sampler's op over logits / temperature."""
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention.invariant_training import INVARIANT_IMPLEMENTATION, positions_from_mask
-from .batch_invariant import invariant_ops, suspended
-from .lora import invariant_tuning
-from .lora import lora_kernels as lora_forwards
-from .model_state import attention_implementations, restore_attention
-from .patching import base_model, forwards_swapped, module_list
-from .sampling import chosen_logprobs
-from .tuning import LoraTuning
-
+from ..lora import lora_kernels as lora_forwards
+from ..model_patching.generation_mode import (
+    attention_implementations,
+    restore_attention,
+)
+from ..model_patching.swaps import base_model, forwards_swapped, module_list
+from ..sampling import chosen_logprobs
+from ..tuning import LoraTuning
+from .lora import invariant_tuning, lora_linear
+from .ops import invariant_ops, suspended
+from .training_attention import INVARIANT_IMPLEMENTATION, positions_from_mask
 
 _OUTSIDE_ATTENTION: dict[int, list] = {}   # id(config) -> `attention_implementations` outside `invariant_training`
 
@@ -57,7 +59,7 @@ def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning
         # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
         leaves = [m for m in modules if not m._modules]
         with (forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops(),
-              lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning)):
+              lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning, lora_linear)):
             yield
     finally:
         restore_attention(previous)

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTN_IMPLEMENTATION
-from .patching import base_model, module_list
+from ..attention import ATTN_IMPLEMENTATION
 from .rotary import rotary_tables_materialized
+from .swaps import base_model, module_list
 
 
 def check_supported(model: torch.nn.Module) -> None:

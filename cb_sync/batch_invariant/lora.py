@@ -1,4 +1,5 @@
-"""The LoRA kernel with gradients, for the training forward of batch-invariant mode. Its forward is the generator's
+"""LoRA in batch-invariant mode: the kernel's one fixed tiling (`invariant_tuning`), and the kernel with gradients
+for the trainer's forward (`lora_linear`). Its forward is the generator's
 own op in the fixed tiling (`cb_sync::lora_linear_group`, or for a base layer the kernel does not compute, the base
 layer's own forward plus `cb_sync::lora_add_group`), so the trainer's outputs equal the rollout's bit for bit. Its
 backward is plain torch: PEFT's gradients, `result + lora_B(lora_A(x)) * scaling` with the products in the compute
@@ -6,7 +7,22 @@ dtype."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from ..tuning import LoraTuning
+
+
+def invariant_tuning(enabled: bool, tuning: LoraTuning, device: torch.device) -> LoraTuning | None:
+    """Batch-invariant mode's LoRA kernel tuning, the same for the generator and the trainer: one tiling for every row
+    count, all base GEMMs in the kernel. None where the kernel does not serve (lora_kernels=False, or off CUDA):
+    PEFT's forward in row blocks."""
+    return dataclasses.replace(tuning, fixed_tiling=1) if enabled and _invariant_kernel_serves(device) else None
+
+
+def _invariant_kernel_serves(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
 def lora_linear(x: torch.Tensor, base_layer: torch.nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -14,7 +30,7 @@ def lora_linear(x: torch.Tensor, base_layer: torch.nn.Module, lora_a: torch.Tens
     """base_layer(x) + scaling * (x @ lora_a^T) @ lora_b^T with PEFT's roundings, differentiable in every tensor that
     requires a gradient. fused_base: the kernel computes the base GEMM from base_layer's weight and bias (as the
     generator's did); else base_layer runs its own forward (hooks, subclasses, autocast), as in the generator."""
-    from . import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
+    from ..lora import ops  # noqa: F401  (registers the torch.ops.cb_sync LoRA ops)
     rows = x.reshape(-1, x.shape[-1])
     if fused_base:
         out = _LoraLinear.apply(rows, base_layer.weight, base_layer.bias, None, lora_a, lora_b, scaling,
