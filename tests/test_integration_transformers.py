@@ -89,6 +89,23 @@ def test_eos_from_model_generation_config_stops_like_hf(model):
     assert len(again["req_1"].generated_tokens) == 12
 
 
+def test_negative_eos_ids_mean_no_eos_as_transformers_writes_them(model):
+    """transformers' own generate_batch writes eos_token_id=-1 into a GenerationConfig without an EOS ("disabled"):
+    reused with the drop-in, that config runs to length, and a negative id in a list is dropped, the others kept."""
+    enable(model)
+    free = model.generate_batch(PROMPTS, generation_config=greedy_config(12))
+    out = model.generate_batch(PROMPTS, generation_config=greedy_config(12, eos_token_id=-1))
+    assert [o.generated_tokens for o in out.values()] == [o.generated_tokens for o in free.values()]
+    assert all(o.finish_reason == "length" for o in out.values())
+    tokens = free["req_1"].generated_tokens
+    eos = tokens[4]
+    stopped = model.generate_batch(PROMPTS[1:2], generation_config=greedy_config(12, eos_token_id=[-1, eos]))
+    assert stopped["req_0"].generated_tokens == tokens[:tokens.index(eos) + 1]
+    assert stopped["req_0"].finish_reason == "eos"
+    (p,) = sampling_params_from_generation_config(model, greedy_config(3, eos_token_id=[5, -1, 7]), [[3]])
+    assert p.eos_token_id == [5, 7]
+
+
 def test_logprobs_are_log_softmax_of_the_model(model):
     enable(model)
     out = model.generate_batch(PROMPTS[:3], generation_config=greedy_config(6),

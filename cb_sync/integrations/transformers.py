@@ -6,9 +6,10 @@ path, runs on cb_sync unchanged.
 A `GenerationConfig` is read as `model.generate()` reads it: fields left `None` come from `model.generation_config`,
 then from transformers' defaults (top-k 50 when sampling with `top_k` unset; 20 tokens minus the prompt without
 `max_new_tokens` or `max_length`). Honoured: `max_new_tokens` (else `max_length`), `do_sample`, `temperature`,
-`top_k`, `top_p`, `min_p`, `eos_token_id` (None or []: no EOS), `pad_token_id`. Other fields that would change the
-tokens (beams, repetition penalty, several return sequences, ...) raise ValueError naming them; fields that cannot
-(output flags, cache and compile settings, beam-only settings while num_beams == 1, ...) are ignored.
+`top_k`, `top_p`, `min_p`, `eos_token_id` (None, [] or -1: no EOS; negative ids in a list are dropped),
+`pad_token_id`. Other fields that would change the tokens (beams, repetition penalty, several return sequences, ...)
+raise ValueError naming them; fields that cannot (output flags, cache and compile settings, beam-only settings while
+num_beams == 1, ...) are ignored.
 
 Of `ContinuousBatchingConfig` only `return_logprobs` and `seed` (one seed per call) are used: size cb_sync with the
 `CBConfig` given to `enable`. `persistent_manager=False` (the default) releases the KV cache after the call and keeps
@@ -31,7 +32,7 @@ from transformers.generation.continuous_batching.requests import (
     RequestStatus,
 )
 
-from ..config import CBConfig, SamplingParams
+from ..config import CBConfig, SamplingParams, as_int
 from ..engine.driver import SyncCBDriver
 from ..engine.validation import prompt_rows
 
@@ -211,8 +212,7 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
     if bad:
         raise ValueError(f"cb_sync cannot honour these generation options: {', '.join(bad)}. Remove them (or set "
                          "them to their neutral values) from the GenerationConfig and model.generation_config.")
-    eos = values.get("eos_token_id")  # None or []: no EOS (as generate(); model.generation_config was merged)
-    eos = [] if eos is None else eos   # SamplingParams validates and normalises ints and lists
+    eos = _eos_ids(values.get("eos_token_id"))      # model.generation_config merged in, as generate() does
     sampling = {}
     if values["do_sample"]:     # a filter set to None by a keyword argument is off, as in generate()
         sampling = dict(do_sample=True, temperature=float(_or(values["temperature"], 1.0)),
@@ -230,6 +230,22 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
                                  f"{values['max_length']}: set max_new_tokens")
         params.append(SamplingParams(max_new_tokens=int(max_new), eos_token_id=eos, logprobs=logprobs, **sampling))
     return params
+
+
+def _eos_ids(eos):
+    """The EOS ids of a resolved config, for SamplingParams to validate: None, [] and negative ids mean no EOS, as
+    transformers' continuous batching reads them (its generate_batch writes -1 into a GenerationConfig without one);
+    negative ids in a list are dropped."""
+    if eos is None:
+        return []
+    if isinstance(eos, (list, tuple)):
+        return [token for token in eos if not _is_negative_id(token)]
+    return [] if _is_negative_id(eos) else eos
+
+
+def _is_negative_id(value) -> bool:
+    number = as_int(value)
+    return number is not None and number < 0
 
 
 def _or(value, neutral):
