@@ -129,7 +129,7 @@ def variant_settings(width_multiple: int | None = None, cudnn: bool = True, warm
                      skip_casts: bool = True):
     """length_groups.WIDTH_MULTIPLE, SDPA's cuDNN switch, the trainer's attention warm-up and its skipping of LoRA
     input casts for one variant, restored after."""
-    from cb_sync.integrations import attention_warmup, length_groups, lora_input_casts
+    from cb_sync.integrations.trl import attention_warmup, length_groups, lora_input_casts
     saved = (length_groups.WIDTH_MULTIPLE, torch.backends.cuda.cudnn_sdp_enabled(), attention_warmup.warm_attention,
              lora_input_casts.round_trip_layers)
     length_groups.WIDTH_MULTIPLE = width_multiple or saved[0]

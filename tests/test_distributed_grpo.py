@@ -307,7 +307,7 @@ def test_sharded_parameters_refused(tmp_path, monkeypatch, zero_stage, fsdp_vers
 def test_sharded_parameters_refused_before_trl_builds_anything(tmp_path, monkeypatch, asked):
     """Where the arguments or `accelerate launch` already ask for sharded parameters, the trainer refuses before
     GRPOTrainer's own setup (loading models, a reference model's engine) runs."""
-    import cb_sync.integrations.trl as cb_trl
+    import cb_sync.integrations.trl.trainer as cb_trl
     from trl import GRPOConfig, GRPOTrainer
 
     def trl_init(*args, **kwargs):

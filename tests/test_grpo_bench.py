@@ -196,7 +196,7 @@ def test_training_half_probe_trains_every_variant_on_the_same_completions(tmp_pa
     """benchmarks.grpo_training: the synthetic rollouts give every variant the same completions; the grouped
     variant's forwards are widened to multiples of WIDTH_MULTIPLE, width1's are not, TRL's micro-batches are wider."""
     from benchmarks import grpo_training
-    from cb_sync.integrations.length_groups import WIDTH_MULTIPLE
+    from cb_sync.integrations.trl.length_groups import WIDTH_MULTIPLE
 
     rows = grpo_training.main(["--tiny", "--variants", "grouped", "width1", "ungrouped", "--out", str(tmp_path)])
     lengths = [[step["completion_lens"] for step in row["per_step"]] for row in rows]

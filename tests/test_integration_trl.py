@@ -16,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from cb_sync import CBConfig, SyncCBDriver  # noqa: E402
 from cb_sync.integrations.transformers import disable, enable  # noqa: E402
-from cb_sync.integrations import trl as trl_integration  # noqa: E402
+from cb_sync.integrations.trl import trainer as trl_integration  # noqa: E402
 from cb_sync.integrations.trl import CBSyncGRPOTrainer  # noqa: E402
 
 VOCAB = 128
@@ -288,8 +288,8 @@ def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, b
 def test_release_after_rollout_none_frees_only_caches_over_the_limit(tmp_path, monkeypatch):
     """The default (None): a KV cache larger than KEPT_CACHE_MAX_BYTES is freed after a rollout, a smaller one kept;
     True and False decide whatever the size; other values are refused before any work."""
-    from cb_sync.integrations import trl as trl_integration
-    from cb_sync.integrations.trl import KEPT_CACHE_MAX_BYTES, releases_cache
+    from cb_sync.integrations.trl import trainer as trl_integration
+    from cb_sync.integrations.trl.trainer import KEPT_CACHE_MAX_BYTES, releases_cache
 
     assert KEPT_CACHE_MAX_BYTES == 1 << 30
     assert not releases_cache(None, KEPT_CACHE_MAX_BYTES) and releases_cache(None, KEPT_CACHE_MAX_BYTES + 1)
@@ -314,7 +314,7 @@ def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monk
     also knows TRL's ref_model and a "ref" adapter."""
     from peft import LoraConfig
 
-    from cb_sync.integrations import trl as trl_integration
+    from cb_sync.integrations.trl import trainer as trl_integration
     paths = []
     invariant, default = trl_integration.invariant_logits, CBSyncGRPOTrainer._warmed_logps_and_entropies
 

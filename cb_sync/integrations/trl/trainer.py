@@ -58,19 +58,19 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from ..batch_invariant.ops import check_model
-from ..batch_invariant.trainer import (
+from ...batch_invariant.ops import check_model
+from ...batch_invariant.trainer import (
     default_forward,
     invariant_logits,
     invariant_logprobs,
     invariant_training,
 )
-from ..config import CBConfig
-from ..engine.driver import SyncCBDriver
-from ..engine.validation import learned_position_limit
-from ..model_patching.swaps import base_model, module_list
+from ...config import CBConfig
+from ...engine.driver import SyncCBDriver
+from ...engine.validation import learned_position_limit
+from ...model_patching.swaps import base_model, module_list
 from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
-from .compiled_layers import CompiledLayers
+from .training_step_compile import CompiledLayers
 from .length_groups import (
     by_length,
     clear_of_faulty_width,
@@ -79,7 +79,7 @@ from .length_groups import (
     right_extended,
 )
 from .lora_input_casts import input_casts
-from .transformers import sampling_params_from_generation_config
+from ..transformers import sampling_params_from_generation_config
 
 __all__ = ["CBSyncGRPOTrainer"]
 

@@ -1,0 +1,5 @@
+"""TRL integration: `CBSyncGRPOTrainer`, a `trl.GRPOTrainer` whose rollouts come from cb_sync."""
+
+from .trainer import CBSyncGRPOTrainer
+
+__all__ = ["CBSyncGRPOTrainer"]
