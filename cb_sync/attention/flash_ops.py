@@ -19,6 +19,8 @@ from . import triton_kernels
 from .metadata import AttnMetadata
 from .sdpa_paged import token_requests
 
+DECODE_FOLLOWS_POOLS = False     # FlashAttention's kernels take the pools' addresses
+
 INSTALL_HINT = ("install cb_sync's `flash` extra: pip install 'flash-attn-4>=4.0.0b36' "
                 "'nvidia-cutlass-dsl[cu13]>=4.8' (FlashAttention 4 with nvidia-cutlass-dsl's CUDA 13 libraries)")
 

@@ -1,10 +1,11 @@
-"""The attention function registered with transformers' AttentionInterface, and backend selection."""
+"""The attention function registered with transformers' AttentionInterface, what a backend provides (`Backend`), and
+backend selection."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import AttentionInterface
@@ -13,6 +14,37 @@ from . import sdpa_paged
 from .metadata import AttnMetadata
 
 ATTN_IMPLEMENTATION = "cb_sync_paged"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runner and the decode graphs use of an attention backend. A backend is a module (`sdpa_paged`,
+    `triton_ops`, `flash_ops`, `batch_invariant.attention`), which satisfies this protocol by its names alone.
+
+    DECODE_FOLLOWS_POOLS: a pure-decode step reaches the KV pools through `AttnMetadata.pool_offsets` at run time,
+    so a graph captured over it stays valid when the pools come back elsewhere after a release; otherwise graphs
+    record the pools' addresses and are captured again when those change."""
+
+    DECODE_FOLLOWS_POOLS: bool
+
+    def store_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttnMetadata,
+                         layer: int, scale: float, sliding_window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
+        """Write key/value [T, Hkv, D] into layer's pools at meta.slot_mapping (slots < 0 skipped), then return the
+        causal paged attention [T, Hq, D] of query [T, Hq, D] over each request's cached context (padded requests,
+        seq_len 0, as zeros).
+
+        Args:
+            query, key, value: the step's projections, one row a token.
+            meta: the step's batch (`AttnMetadata`).
+            layer: the decoder layer's index, which selects its pools.
+            scale: the softmax scale.
+            sliding_window: the attention window in positions, None for full attention.
+            softcap: the logit soft-capping value (Gemma-2), None for none.
+
+        Returns:
+            The attention output, [T, Hq, D] in query's dtype.
+        """
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -40,8 +72,8 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 class StepBackends:
     """The attention backend of pure-decode steps and that of steps with prompt tokens (prefill and mixed)."""
 
-    decode: ModuleType
-    prefill: ModuleType
+    decode: Backend
+    prefill: Backend
 
 
 def select_backends(name: str, device: torch.device, dtype: torch.dtype) -> StepBackends:
@@ -58,7 +90,7 @@ def select_backends(name: str, device: torch.device, dtype: torch.dtype) -> Step
     return StepBackends(decode=backend, prefill=backend)
 
 
-def _select(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
+def _select(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
     if name == "sdpa_paged" or (name == "auto" and device.type != "cuda"):
         return sdpa_paged
     if name == "flash":

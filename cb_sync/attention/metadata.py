@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..tuning import AttentionTuning
+
+if TYPE_CHECKING:       # for the annotation only: the interface module names this one's class in its own
+    from .interface import Backend
 
 
 @dataclass
@@ -22,7 +25,7 @@ class AttnMetadata:
     max_query_len, max_seq_len: host-side bounds of the above (upper bounds within the block tables' capacity,
         max_blocks * block_size, suffice; the Triton backend reads none, so a compiled step does not guard on them).
     k_caches, v_caches: per layer, [num_blocks, block_size, num_kv_heads, head_dim].
-    backend: module providing store_and_attend() (see attention/sdpa_paged.py).
+    backend: the attention backend that runs the step (`interface.Backend`).
     tuning: the Triton kernels' tile sizes.
     pool_offsets: int64 [num_layers, 2] on the device, where each layer's K and V pools lie
         (`PagedKVCache.pool_offsets`), or None; a backend may reach the pools through it so that a captured step
@@ -37,7 +40,7 @@ class AttnMetadata:
     max_seq_len: int
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
-    backend: ModuleType
+    backend: Backend
     tuning: AttentionTuning = AttentionTuning()
     pool_offsets: torch.Tensor | None = None
     derived: dict = field(default_factory=dict, repr=False)

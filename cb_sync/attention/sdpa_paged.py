@@ -6,6 +6,8 @@ import torch
 
 from .metadata import AttnMetadata
 
+DECODE_FOLLOWS_POOLS = False     # reads the pools from AttnMetadata's k_caches / v_caches
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:

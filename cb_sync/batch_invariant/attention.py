@@ -18,6 +18,8 @@ from ..attention.metadata import AttnMetadata
 from ..attention.sdpa_paged import store_kv, token_requests
 from .ops import ROWS
 
+DECODE_FOLLOWS_POOLS = False     # reads the pools from AttnMetadata's k_caches / v_caches
+
 KEYS_PER_BLOCK = 64       # key positions per online-softmax block: the kernel's tile; plain torch takes whole cache
                           # blocks (key_block_pages)
 

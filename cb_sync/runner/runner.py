@@ -14,10 +14,9 @@ from ..engine.kv_cache import PagedKVCache
 from ..sampling.sampler import sample_exactly, sampler_kind
 from ..tuning import AttentionTuning
 from .compiled import CompiledForward, eager_forward
-from .cuda_graphs import is_pure_decode
+from .cuda_graphs import DecodeReplay, is_pure_decode
 from .inputs import StepBuffers, step_columns
 from .output import EagerOutput, StepOutput
-from .replay import DecodeReplay
 
 
 @dataclass(eq=False)
