@@ -1,4 +1,5 @@
-"""SyncCBDriver: owns the KV cache, scheduler and runner, and runs the generate() loop on the caller's thread."""
+"""SyncCBDriver: owns the KV cache, scheduler and runner, and runs the generate() loop on the caller's thread: plain
+steps (schedule -> execute -> update) and, after a replayed pure-decode step, launch-ahead steps."""
 
 from __future__ import annotations
 
@@ -176,27 +177,41 @@ class SyncCBDriver:
             self.runner.replay.graphs.release()
 
     def _run(self, requests: list[Request], bar: tqdm) -> None:
-        """schedule -> execute -> update until every request has finished. A pure-decode step is launched before the
-        tokens of the step it continues are read (it takes them on the device), so the host's work overlaps the GPU's;
-        a request that ends on a stop or EOS token then has had one more row computed, which is dropped."""
+        """Steps until every request has finished: a plain step, or a launch-ahead step where the step before was
+        replayed and its tokens are not read yet."""
         cfg = self.config
         scheduler = Scheduler(BlockAllocator(self.cache.num_blocks), cfg.block_size, cfg.max_batch_tokens,
                               cfg.max_batch_size, cfg.prefix_sharing)
         for request in requests:
             scheduler.add(request)
-        pending = None                                  # the step launched last, its tokens not read yet
-        while pending is not None or scheduler.has_work():
-            following = (scheduler.plan_ahead(pending.plan)
-                         if pending is not None and pending.keeps_tokens_on_device else None)
-            launched = self.runner.execute(following, after=pending) if following else None
-            if pending is not None:
-                self._update(scheduler, pending, bar)
-            if launched is None and scheduler.has_work():
-                plan = scheduler.schedule()
-                if not plan:
-                    raise RuntimeError("the scheduler could not place any request in the cache")
-                launched = self.runner.execute(plan)
-            pending = launched
+        unread = None                                   # a replayed step, its tokens not read yet
+        while unread is not None or scheduler.has_work():
+            if unread is None:
+                unread = self._plain_step(scheduler, bar)
+            else:
+                unread = self._launch_ahead_step(scheduler, unread, bar)
+
+    def _plain_step(self, scheduler: Scheduler, bar: tqdm) -> StepOutput | None:
+        """schedule -> execute -> update. A replayed step's tokens are left unread, and the step returned: the next
+        step may be launched before they are read (`_launch_ahead_step`)."""
+        plan = scheduler.schedule()
+        if not plan:
+            raise RuntimeError("the scheduler could not place any request in the cache")
+        output = self.runner.execute(plan)
+        if output.keeps_tokens_on_device:
+            return output
+        self._update(scheduler, output, bar)
+        return None
+
+    def _launch_ahead_step(self, scheduler: Scheduler, unread: StepOutput, bar: tqdm) -> StepOutput | None:
+        """Launch the pure-decode step that continues `unread` (its requests one position on), which takes unread's
+        tokens on the device, and only then read them: the host's work overlaps the GPU's. A request that ends on a
+        stop or EOS token then has had one more row computed, which is dropped. Returns the step launched, its tokens
+        unread (None where no step continues `unread`: a plain step follows)."""
+        following = scheduler.plan_ahead(unread.plan)
+        launched = self.runner.execute(following, after=unread) if following else None
+        self._update(scheduler, unread, bar)
+        return launched
 
     @staticmethod
     def _update(scheduler: Scheduler, output: StepOutput, bar: tqdm) -> None:
