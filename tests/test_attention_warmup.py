@@ -134,7 +134,7 @@ def test_prefers_cudnn_attention_only_for_sdpa_with_cudnn_on_recent_gpus(monkeyp
 def test_trainer_warms_each_variety_before_its_first_forward_and_trains_the_same(tmp_path, monkeypatch, sdpa_calls,
                                                                                  group_by_length):
     from cb_sync import CBConfig
-    from cb_sync.integrations.trl import trainer as cb_trl
+    from cb_sync.integrations import trl as cb_trl
     from cb_sync.integrations.trl import length_groups
     from test_integration_trl import dataset, even_fraction, grpo_args, tiny_model, tokenizer
     monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 32)    # widened forwards stay shorter than the warm-up's
@@ -170,7 +170,7 @@ def test_trainer_warms_each_variety_before_its_first_forward_and_trains_the_same
 
 @pytest.mark.parametrize("group_by_length", [True, False])
 def test_trainer_names_the_variety_each_forward_will_be(tmp_path, monkeypatch, wanted, group_by_length):
-    from cb_sync.integrations.trl import trainer as cb_trl
+    from cb_sync.integrations import trl as cb_trl
     from test_integration_trl import dataset, even_fraction, grpo_args, tiny_model, tokenizer
 
     warmed = []

@@ -97,7 +97,7 @@ def worker(out: Path) -> None:
     def recording_rollout(prompts):
         flags = [m.training for m in model.modules()]
         result = rollout(prompts)
-        cache = trainer._cb_driver.cache
+        cache = trainer.cb_generation.driver.cache
         record["rollouts"].append({"prompts": list(prompts), "blocks_after_rollout": cache.num_blocks,
                                    "pools_after_rollout": len(cache.k_caches), "train_before": all(flags),
                                    "train_restored": [m.training for m in model.modules()] == flags})
@@ -115,7 +115,7 @@ def worker(out: Path) -> None:
 
     trainer._generate_and_score_completions = recording_score
 
-    gather, add_gap, inside = trainer.accelerator.gather, trainer._add_logprob_gap, []
+    gather, add_gap, inside = trainer.accelerator.gather, trainer._logprob_gap.add, []
 
     def recording_gather(tensor):
         if inside:
@@ -129,7 +129,7 @@ def worker(out: Path) -> None:
         finally:
             inside.clear()
 
-    trainer.accelerator.gather, trainer._add_logprob_gap = recording_gather, recording_add_gap
+    trainer.accelerator.gather, trainer._logprob_gap.add = recording_gather, recording_add_gap
 
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer.train()
@@ -307,7 +307,8 @@ def test_sharded_parameters_refused(tmp_path, monkeypatch, zero_stage, fsdp_vers
 def test_sharded_parameters_refused_before_trl_builds_anything(tmp_path, monkeypatch, asked):
     """Where the arguments or `accelerate launch` already ask for sharded parameters, the trainer refuses before
     GRPOTrainer's own setup (loading models, a reference model's engine) runs."""
-    import cb_sync.integrations.trl.trainer as cb_trl
+    import cb_sync.integrations.trl as cb_trl
+    from cb_sync.integrations.trl import checks
     from trl import GRPOConfig, GRPOTrainer
 
     def trl_init(*args, **kwargs):
@@ -315,7 +316,7 @@ def test_sharded_parameters_refused_before_trl_builds_anything(tmp_path, monkeyp
 
     trl_init.__signature__ = inspect.signature(GRPOTrainer.__init__)    # the trainer reads GRPOConfig through it
     monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
-    monkeypatch.setattr(cb_trl, "is_deepspeed_zero3_enabled", lambda: asked == "zero3")
+    monkeypatch.setattr(checks, "is_deepspeed_zero3_enabled", lambda: asked == "zero3")
     if asked == "fsdp_launch":
         monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=1,

@@ -24,7 +24,8 @@ def test_grpo_tiny_example_trains_on_cb_sync(tmp_path):
         warnings.filterwarnings("error", module="cb_sync")           # e.g. compile ignored off the GPU
         trainer = example.train(output_dir=str(tmp_path), steps=1)
     assert trainer.state.global_step == 1
-    assert trainer._cb_driver is not None and trainer._cb_driver.model is trainer.model
+    driver = trainer.cb_generation.driver
+    assert driver is not None and driver.model is trainer.model
     assert [entry["grad_norm"] > 0 for entry in trainer.state.log_history if "grad_norm" in entry] == [True]
 
 

@@ -16,7 +16,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from cb_sync import CBConfig, SyncCBDriver  # noqa: E402
 from cb_sync.integrations.transformers import disable, enable  # noqa: E402
-from cb_sync.integrations.trl import trainer as trl_integration  # noqa: E402
+from cb_sync.integrations.trl import exact_mode, generation, logprob_gap  # noqa: E402
+from cb_sync.integrations.trl import trainer as trl_trainer  # noqa: E402
 from cb_sync.integrations.trl import CBSyncGRPOTrainer  # noqa: E402
 
 VOCAB = 128
@@ -124,7 +125,7 @@ def snapshot(model) -> dict:
 def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
     returned = []       # cached blocks given back before each rollout, while its KV pools are not allocated yet
-    monkeypatch.setattr(trl_integration, "return_allocator_cache",
+    monkeypatch.setattr(generation, "return_allocator_cache",
                         lambda device: returned.append(spy.calls[-1]["driver"].cache.num_blocks if spy.calls else 0))
     model = tiny_model()
     forbid_hf_generate(monkeypatch, model)
@@ -132,7 +133,7 @@ def test_grpo_runs_on_cb_sync(tmp_path, monkeypatch):
                                                                                          temperature=0.9),
                                 train_dataset=dataset(), processing_class=tokenizer(),
                                 cb_config=CBConfig(block_size=4, max_batch_tokens=64), release_after_rollout=True)
-    params = trainer._cb_params
+    params = trainer.cb_generation.sampling_params
     assert (params.do_sample, params.temperature, params.top_k, params.max_new_tokens) == (True, 0.9, 20, 8)
     assert params.logprobs and params.seed is None and 1 in params.eos_token_id
     before = snapshot(model)
@@ -202,7 +203,8 @@ def test_ratio_outside_counts_tokens_beyond_ten_percent(tmp_path):
     batches = ((torch.tensor([[0.2, -0.2, 0.05], [0.0, 0.09, -0.1]]), torch.ones(2, 3)),
                (torch.tensor([[-0.11, 5.0, 0.0], [0.0, 0.0, 0.0]]), torch.tensor([[1, 0, 0], [0, 0, 0]])))
     for trainer_logps, mask in batches:
-        trainer._add_logprob_gap(trainer_logps, {"completion_mask": mask, "sampling_per_token_logps": generator})
+        trainer._logprob_gap.add(trainer_logps, {"completion_mask": mask, "sampling_per_token_logps": generator},
+                                 trainer._mode())
     trainer.log({})
     delta = torch.tensor([0.2, -0.2, 0.05, 0.0, 0.09, -0.1, -0.11])    # the masked 5.0 is left out
     entry = trainer.state.log_history[-1]
@@ -254,14 +256,14 @@ def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, b
         from test_batch_invariant import serve_kernels
         serve_kernels(monkeypatch, means=False)
     pairs = []
-    add = CBSyncGRPOTrainer._add_logprob_gap
+    add = logprob_gap.LogprobGap.add
 
-    def recording(self, trainer_logps, batch):
+    def recording(self, trainer_logps, batch, mode):
         mask = batch["completion_mask"].bool()
         pairs.append((trainer_logps[mask], batch["sampling_per_token_logps"][mask]))
-        return add(self, trainer_logps, batch)
+        return add(self, trainer_logps, batch, mode)
 
-    monkeypatch.setattr(CBSyncGRPOTrainer, "_add_logprob_gap", recording)
+    monkeypatch.setattr(logprob_gap.LogprobGap, "add", recording)
     peft_config = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
     for correction in (False,) if kernels else (True, False):   # the interpreted kernels: the loss's side only
         pairs.clear()
@@ -288,16 +290,15 @@ def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, b
 def test_release_after_rollout_none_frees_only_caches_over_the_limit(tmp_path, monkeypatch):
     """The default (None): a KV cache larger than KEPT_CACHE_MAX_BYTES is freed after a rollout, a smaller one kept;
     True and False decide whatever the size; other values are refused before any work."""
-    from cb_sync.integrations.trl import trainer as trl_integration
-    from cb_sync.integrations.trl.trainer import KEPT_CACHE_MAX_BYTES, releases_cache
+    from cb_sync.integrations.trl.generation import KEPT_CACHE_MAX_BYTES, releases_cache
 
     assert KEPT_CACHE_MAX_BYTES == 1 << 30
     assert not releases_cache(None, KEPT_CACHE_MAX_BYTES) and releases_cache(None, KEPT_CACHE_MAX_BYTES + 1)
     assert releases_cache(True, 0) and not releases_cache(False, 1 << 40)
     spy = Spy(monkeypatch)
     sizes = []
-    monkeypatch.setattr(trl_integration, "KEPT_CACHE_MAX_BYTES", 1000)     # below this tiny model's cache
-    monkeypatch.setattr(trl_integration, "releases_cache", lambda asked, size: sizes.append(size) or
+    monkeypatch.setattr(generation, "KEPT_CACHE_MAX_BYTES", 1000)     # below this tiny model's cache
+    monkeypatch.setattr(generation, "releases_cache", lambda asked, size: sizes.append(size) or
                         releases_cache(asked, size))
     CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path, max_steps=1),
                       train_dataset=dataset(), processing_class=tokenizer()).train()
@@ -310,27 +311,26 @@ def test_release_after_rollout_none_frees_only_caches_over_the_limit(tmp_path, m
 
 def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monkeypatch):
     """In batch-invariant mode the reference policy's forward (beta > 0: the PEFT model with its adapters disabled)
-    takes the default path, the policy's forwards the invariant one, and the gap stays exactly 0; `_scores_reference`
+    takes the default path, the policy's forwards the invariant one, and the gap stays exactly 0; `scores_reference`
     also knows TRL's ref_model and a "ref" adapter."""
     from peft import LoraConfig
 
-    from cb_sync.integrations.trl import trainer as trl_integration
     paths = []
-    invariant, default = trl_integration.invariant_logits, CBSyncGRPOTrainer._warmed_logps_and_entropies
+    invariant, default = exact_mode.invariant_logits, trl_trainer.warmed_logps_and_entropies
 
     def adapters_on(model):
-        return not any(m.disable_adapters for m in trl_integration._adapter_layers(model))
+        return not any(m.disable_adapters for m in exact_mode.adapter_layers(model))
 
     def recording_invariant(model, *args, **kwargs):
         paths.append(("invariant", adapters_on(model)))
         return invariant(model, *args, **kwargs)
 
-    def recording_default(self, model, *args, **kwargs):
-        paths.append(("default", adapters_on(self.accelerator.unwrap_model(model))))
-        return default(self, model, *args, **kwargs)
+    def recording_default(trl_forward, model, *args, unwrapped, **kwargs):
+        paths.append(("default", adapters_on(unwrapped)))
+        return default(trl_forward, model, *args, unwrapped=unwrapped, **kwargs)
 
-    monkeypatch.setattr(trl_integration, "invariant_logits", recording_invariant)
-    monkeypatch.setattr(CBSyncGRPOTrainer, "_warmed_logps_and_entropies", recording_default)
+    monkeypatch.setattr(exact_mode, "invariant_logits", recording_invariant)
+    monkeypatch.setattr(trl_trainer, "warmed_logps_and_entropies", recording_default)
     trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
                                 args=grpo_args(tmp_path, max_steps=1, beta=0.1), train_dataset=dataset(),
                                 processing_class=tokenizer(),
@@ -342,17 +342,21 @@ def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monk
     assert logged(trainer, "sampling/sampling_logp_difference/max") == [0.0]
     assert logged(trainer, "kl")[0] < 1e-6       # policy and reference are the same weights at step 1
     model = trainer.accelerator.unwrap_model(trainer.model)
+
+    def scores_reference(m) -> bool:
+        return exact_mode.scores_reference(m, trainer.accelerator.unwrap_model(m), trainer.ref_model)
+
     with torch.no_grad():
-        assert not trainer._scores_reference(model)
+        assert not scores_reference(model)
         with model.disable_adapter():
-            assert trainer._scores_reference(model)
+            assert scores_reference(model)
         trainer.ref_model = tiny_model()
-        assert trainer._scores_reference(trainer.ref_model) and not trainer._scores_reference(model)
+        assert scores_reference(trainer.ref_model) and not scores_reference(model)
         model.add_adapter("ref", LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj"]))
         model.set_adapter("ref")
-        assert trainer._scores_reference(model)
+        assert scores_reference(model)
     with model.disable_adapter():           # a forward with gradients is the policy's
-        assert not trainer._scores_reference(model)
+        assert not scores_reference(model)
 
 
 def test_batch_invariant_training_refuses_dropout(tmp_path):
@@ -420,7 +424,8 @@ def test_generation_kwargs_reach_the_rollouts_as_in_trls_own_path(tmp_path):
     trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
                                 args=grpo_args(tmp_path, generation_kwargs={"max_new_tokens": 3, "eos_token_id": [7]}),
                                 train_dataset=dataset(), processing_class=tokenizer())
-    assert (trainer._cb_params.max_new_tokens, trainer._cb_params.eos_token_id) == (3, [7])
+    params = trainer.cb_generation.sampling_params
+    assert (params.max_new_tokens, params.eos_token_id) == (3, [7])
     with pytest.raises(ValueError, match="log_logprob_diff must be True or False, got 'yes'"):
         CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path),
                           train_dataset=dataset(), processing_class=tokenizer(), log_logprob_diff="yes")
@@ -428,9 +433,9 @@ def test_generation_kwargs_reach_the_rollouts_as_in_trls_own_path(tmp_path):
 
 def test_the_logprob_gaps_quantile_is_torchs_at_any_size():
     values = torch.rand(1001, generator=torch.Generator().manual_seed(0))
-    assert trl_integration.quantile(values, 0.95) == pytest.approx(torch.quantile(values, 0.95).item(), rel=1e-6)
+    assert logprob_gap.quantile(values, 0.95) == pytest.approx(torch.quantile(values, 0.95).item(), rel=1e-6)
     many = torch.rand(2**24 + 3, generator=torch.Generator().manual_seed(1))    # past torch.quantile's limit
-    assert trl_integration.quantile(many, 0.95) == pytest.approx(float(np.quantile(many.numpy(), 0.95)), rel=1e-6)
+    assert logprob_gap.quantile(many, 0.95) == pytest.approx(float(np.quantile(many.numpy(), 0.95)), rel=1e-6)
 
 
 def test_generate_single_turn_contract(tmp_path, monkeypatch):

@@ -170,7 +170,7 @@ def test_unmasked_forwards_on_cudnn_attention_widen_on_the_right(trainer, monkey
     """Where SDPA takes cuDNN attention, a chunk without padding reaches TRL widened to a multiple of
     UNMASKED_WIDTH_MULTIPLE, still unmasked, and its logprobs and entropies are TRL's at the chunk's own width (fp32;
     the wider products round differently)."""
-    from cb_sync.integrations.trl import trainer as cb_trl
+    from cb_sync.integrations.trl import logprob_forwards
     widths, trl_forward = [], GRPOTrainer._get_per_token_logps_and_entropies
 
     def recording(self, model, input_ids, attention_mask, *args, **kwargs):
@@ -183,7 +183,7 @@ def test_unmasked_forwards_on_cudnn_attention_widen_on_the_right(trainer, monkey
     with torch.set_grad_enabled(grad):
         expected = trl_forward(trainer, trainer.model, ids, mask, 6, compute_entropy=True)
         monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
-        monkeypatch.setattr(cb_trl, "prefers_cudnn_attention", lambda model: True)
+        monkeypatch.setattr(logprob_forwards, "prefers_cudnn_attention", lambda model: True)
         got = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 6, compute_entropy=True)
     assert widths == [(length_groups.UNMASKED_WIDTH_MULTIPLE, True)]
     for want, have in zip(expected[:2], got[:2]):
@@ -212,7 +212,7 @@ def test_gradient_forwards_on_cudnn_attention_avoid_the_faulty_width(tmp_path, m
     """Where SDPA takes cuDNN attention, a forward with gradients and padding never reaches TRL at a faulty width (the
     grouped path through WIDTH_MULTIPLE, even when set to 1, TRL's own by one more widening), and its logprobs are
     TRL's on the real tokens (fp32; rotary positions shift, equal up to rounding). Without gradients the width stays."""
-    from cb_sync.integrations.trl import attention_warmup, trainer as cb_trl
+    from cb_sync.integrations.trl import attention_warmup, logprob_forwards
     monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 1)
     monkeypatch.setattr(attention_warmup, "warm_attention", lambda *args, **kwargs: None)
     trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
@@ -232,7 +232,7 @@ def test_gradient_forwards_on_cudnn_attention_avoid_the_faulty_width(tmp_path, m
     monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
     with torch.no_grad():
         expected = trl_forward(trainer, trainer.model, ids, mask, 132)[0]
-    monkeypatch.setattr(cb_trl, "prefers_cudnn_attention", lambda model: True)
+    monkeypatch.setattr(logprob_forwards, "prefers_cudnn_attention", lambda model: True)
     got = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 132)[0]
     with torch.no_grad():
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 132)

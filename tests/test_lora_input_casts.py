@@ -115,5 +115,5 @@ def test_trainer_leaves_peft_settings_alone_without_mixed_precision(tmp_path):
     layers = round_trip_layers(trainer.model)
     layers[0].cast_input_dtype_enabled = False
     for enabled in (False, True):
-        with trainer._lora_input_casts(trainer.model, enabled):
+        with trainer._forwards(trainer.model, training=not enabled):
             assert [layer.cast_input_dtype_enabled for layer in layers] == [False] + [True] * (len(layers) - 1)

@@ -14,6 +14,7 @@ hook on the model would change what a compiled decode step guards on, and cost i
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -75,10 +76,17 @@ class AttentionWarmup:
     `before_forward` warms a variety the first time it comes to a model that takes cuDNN attention
     (`prefers_cudnn_attention`). Under reentrant gradient checkpointing a gradient variety is warmed as its first pass
     runs, without gradients: its recompute and backward are not warmed. The warm-up only saves time, so a failure warns
-    once and ends warming."""
+    once and ends warming.
 
-    def __init__(self, token_id: int):
+    Args:
+        token_id: the token the warm-up's rows hold (the pad token).
+        autocast: a callable giving the context manager the warmed forwards run under (the accelerator's autocast),
+            so that the warm-up's calls are of the same kind.
+    """
+
+    def __init__(self, token_id: int, autocast=contextlib.nullcontext):
         self.token_id = token_id
+        self.autocast = autocast
         self.seen: set[tuple[bool, bool]] = set()
         self.failed = False
 
@@ -96,7 +104,8 @@ class AttentionWarmup:
         self.seen.add(variety)
         grad = variety[0] and not reentrant_checkpointing(model)
         try:
-            warm_attention(model, self.token_id, grad=grad, masked=masked)
+            with self.autocast():
+                warm_attention(model, self.token_id, grad=grad, masked=masked)
         except Exception as error:      # a speed-up only: never worth a failed run
             self.failed = True
             warnings.warn(f"cuDNN attention warm-up skipped from here on: {type(error).__name__}: {error}",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ...engine.validation import learned_position_limit
+
 # Forwards are widened to a multiple of this many columns: cuDNN attention (PyTorch's SDPA choice on Hopper) builds a
 # plan for every new sequence length (36-104 ms on an H200, `benchmarks/results/sdpa_first_use.md`), and micro-batches
 # trimmed to their rows would have a new width almost every time; 128 columns add ~64 padding tokens a row on average.
@@ -86,6 +88,40 @@ def clear_of_faulty_width(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if input_ids.shape[1] % modulus != remainder or bool(attention_mask.all()):
         return input_ids, attention_mask
     return left_padded(input_ids, attention_mask, pad_token_id, multiple=modulus)
+
+
+def length_groups_wanted(trainer, asked: bool | None) -> bool:
+    """Whether a CBSyncGRPOTrainer groups by length (`asked`: its group_by_length; None: where its settings and model
+    allow it; True: ValueError where they do not). Grouping regroups one rollout's rows among the micro-batches of one
+    optimizer step, which changes any term averaged per micro-batch, and moves trimmed rows to other positions."""
+    args = trainer.args
+    learned_positions = has_learned_positions(trainer.accelerator.unwrap_model(trainer.model))
+    wrong = [f"{name}={value!r}" for name, value, ok in (
+        ("num_iterations", trainer.num_iterations, trainer.num_iterations == 1),
+        ("steps_per_generation", args.steps_per_generation,
+         args.steps_per_generation == args.gradient_accumulation_steps),
+        ("loss_type", trainer.loss_type, trainer.loss_type != "bnpo"),
+        ("top_entropy_quantile", trainer.top_entropy_quantile, trainer.top_entropy_quantile == 1.0),
+        ("entropy_coef", trainer.entropy_coef, not trainer._entropy_bonus_enabled),
+        ("use_adaptive_entropy", trainer.use_adaptive_entropy, not trainer.use_adaptive_entropy),
+        ("router_aux_loss_coef", trainer.router_aux_loss_coef, not trainer.aux_loss_enabled),
+        ("CBConfig.batch_invariant", trainer.cb_config.batch_invariant, not trainer.cb_config.batch_invariant),
+        ("learned absolute positions", learned_positions, not learned_positions)) if not ok]
+    if asked is None:
+        return not wrong
+    if asked and wrong:
+        raise ValueError("group_by_length=True needs num_iterations=1, steps_per_generation equal to "
+                         f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), a loss_type other than "
+                         "'bnpo', top_entropy_quantile=1.0, no entropy bonus and no MoE aux loss (each averaged per "
+                         "micro-batch), batch_invariant=False (its forwards skip padding themselves) and a model "
+                         "without learned absolute positions (trimmed rows move to other positions), got "
+                         f"{', '.join(wrong)}")
+    return asked
+
+
+def has_learned_positions(model: torch.nn.Module) -> bool:
+    """A table of absolute positions (GPT-2, OPT, ...): moving a row's tokens to other columns changes its logits."""
+    return learned_position_limit(model.config.get_text_config()) is not None
 
 
 def _joined(values: list):
