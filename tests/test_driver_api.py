@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -447,3 +449,139 @@ def test_the_room_kept_for_a_step_is_the_models_estimate_and_named(model, monkey
     expected = step_headroom(model.config, 10**6, 8, 4)
     assert kept == [expected] and expected > 2 * 2**30
     assert f"after {expected / 2**30:.3g} GiB kept for a step" in limit, limit
+
+
+def _model_state(model):
+    return model.config._attn_implementation, [m.training for m in model.modules()]
+
+
+def _in_threads(*calls):
+    """Run the calls at once, one thread each; their results in order (a call's exception is raised here)."""
+    results, errors = [None] * len(calls), []
+
+    def run(index, call):
+        try:
+            results[index] = call()
+        except BaseException as error:     # noqa: BLE001 - raised again on the test's thread
+            errors.append(error)
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _slow_steps(step):
+    time.sleep(0.002)       # let another thread run between this call's steps
+
+
+def test_one_driver_called_from_two_threads_gives_the_tokens_of_calls_one_after_the_other():
+    model = make_model("qwen3").train()          # train mode: every module's flag must come back
+    before = _model_state(model)
+    driver = SyncCBDriver(model, CBConfig(block_size=4), observer=_slow_steps)
+    calls = [(random_prompts([5, 9, 3], seed=2), SamplingParams(max_new_tokens=12)),
+             (random_prompts([7, 2], seed=3), SamplingParams(max_new_tokens=9)),
+             (random_prompts([11], seed=4), SamplingParams(max_new_tokens=15, do_sample=True, seed=5))]
+    expected = [[r.token_ids for r in driver.generate(*call)] for call in calls]
+    for _ in range(3):
+        results = _in_threads(*(lambda call=call: driver.generate(*call) for call in calls))
+        assert [[r.token_ids for r in call] for call in results] == expected
+        assert _model_state(model) == before
+
+
+def test_two_drivers_on_one_model_in_two_threads_stay_correct():
+    """The second call starts while the first runs and would end after it: each gives its tokens, and the model ends
+    as it began (not with the settings the first call had put on it when the second began)."""
+    model = make_model("qwen3").train()
+    before = _model_state(model)
+    first_running = threading.Event()
+
+    def first_observer(step):
+        first_running.set()
+        _slow_steps(step)
+    first = SyncCBDriver(model, CBConfig(block_size=4), observer=first_observer)
+    second = SyncCBDriver(model, CBConfig(block_size=4), observer=_slow_steps)
+    short = (random_prompts([6, 4], seed=6), SamplingParams(max_new_tokens=6))
+    long = (random_prompts([9], seed=7), SamplingParams(max_new_tokens=20))
+    expected = [[r.token_ids for r in first.generate(*short)], [r.token_ids for r in second.generate(*long)]]
+
+    def second_call():
+        first_running.wait()
+        return second.generate(*long)
+    for _ in range(3):
+        first_running.clear()
+        results = _in_threads(lambda: first.generate(*short), second_call)
+        assert [[r.token_ids for r in call] for call in results] == expected
+        assert _model_state(model) == before
+
+
+def test_release_from_another_thread_waits_for_the_running_generate():
+    model = make_model("qwen3")
+    prompts, params = random_prompts([5, 8], seed=8), SamplingParams(max_new_tokens=10)
+    expected = [r.token_ids for r in SyncCBDriver(model).generate(prompts, params)]
+    first_step, released, released_during_call = threading.Event(), threading.Event(), []
+
+    def observer(step):
+        released_during_call.append(released.is_set())
+        if not first_step.is_set():
+            first_step.set()
+            time.sleep(0.3)         # a release that did not wait would run now
+    driver = SyncCBDriver(model, CBConfig(block_size=4), observer=observer)
+
+    def release():
+        first_step.wait()
+        driver.release()
+        released.set()
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    results = driver.generate(prompts, params)
+    releaser.join()
+    assert [r.token_ids for r in results] == expected
+    assert not any(released_during_call) and released.is_set() and driver.cache.num_blocks == 0
+
+
+@pytest.mark.parametrize("nested", ["generate", "release", "generate_on_another_driver"])
+def test_a_call_from_the_observer_of_a_running_call_raises(nested):
+    model = make_model("qwen3").train()
+    before = _model_state(model)
+    other = SyncCBDriver(model)
+    nested_calls = {"generate": lambda: driver.generate([[1, 2]]), "release": lambda: driver.release(),
+                    "generate_on_another_driver": lambda: other.generate([[1, 2]])}
+    driver = SyncCBDriver(model, observer=lambda step: nested_calls[nested]())
+    with pytest.raises(RuntimeError, match=rf"SyncCBDriver.{nested.split('_')[0]}\(\) was called while a generate"
+                                           r"\(\) or release\(\) on the same model runs on this thread"):
+        driver.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))
+    assert _model_state(model) == before
+    driver.observer = driver.runner.observer = None
+    prompt = random_prompts([6])[0]
+    assert driver.generate([prompt], SamplingParams(max_new_tokens=4))[0].token_ids == hf_greedy(model, prompt, 4)
+
+
+def _meta_model():
+    from transformers import AutoModelForCausalLM
+    config = make_model("qwen3").config
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_a_model_on_the_meta_device_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"the model's parameter 'lm_head.weight' holds no values "
+                                         r"\(device meta, Parameter\): load or materialise its weights"):
+        SyncCBDriver(_meta_model())
+    model = make_model("qwen3")
+    model.model.layers[1].mlp.up_proj.to("meta")
+    with pytest.raises(ValueError, match=r"parameter 'model.layers.1.mlp.up_proj.weight' holds no values \(device "
+                                         "meta"):
+        SyncCBDriver(model)
+
+
+def test_a_weight_moved_to_the_meta_device_is_refused_before_any_work():
+    model = make_model("qwen3", lora=True)
+    driver = SyncCBDriver(model, observer=lambda step: pytest.fail("a step ran"))
+    model.get_base_model().model.norm.to("meta")
+    with pytest.raises(ValueError, match=r"parameter 'base_model.model.model.norm.weight' holds no values \(device "
+                                         "meta"):
+        driver.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))

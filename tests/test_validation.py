@@ -175,3 +175,50 @@ def test_compile_where_it_cannot_apply_warns_once(model, config):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SyncCBDriver(model, CBConfig())
+
+
+@pytest.mark.parametrize("fails", [{"max_new_tokens": 10**9}, {"max_new_tokens": 40, "num_blocks": 2}])
+def test_a_call_that_fails_its_checks_gives_no_warning_first(fails):
+    """Past max_position_embeddings and refused: the ValueError comes alone, not after the rotary warning."""
+    num_blocks = fails.pop("num_blocks", None)
+    driver = SyncCBDriver(rotary_model(32), CBConfig(num_blocks=num_blocks), observer=lambda step: pytest.fail())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="KV blocks"):
+            driver.generate(random_prompts([30, 5]), SamplingParams(**fails))
+    assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.parametrize("encoding", ["batch_encoding", "dict"])
+def test_a_tokenizers_encoding_is_refused_with_what_to_pass(model, encoding):
+    from transformers import BatchEncoding
+    given = {"input_ids": [[1, 2, 3], [4, 5]], "attention_mask": [[1, 1, 1], [1, 1]]}
+    given = BatchEncoding(given) if encoding == "batch_encoding" else given
+    with pytest.raises(ValueError, match=r'got a (BatchEncoding|dict): pass encoding\["input_ids"\], from the '
+                                         r"tokenizer called on a list of texts without padding"):
+        no_work_driver(model).generate(given, SamplingParams(max_new_tokens=2))
+
+
+def pad_warnings(model, prompts) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SyncCBDriver(model).generate(prompts, SamplingParams(max_new_tokens=2))
+    return [str(w.message) for w in caught if w.category is UserWarning and "pad_token_id" in str(w.message)]
+
+
+def test_padded_rows_of_a_2d_prompt_warn_once_a_call():
+    """make_model's pad token is 0: rows that start or end with it are padded; lists, unpadded rows, or a model
+    without a pad token give no warning."""
+    model = make_model("qwen3")
+    padded = [[0, 0, 5, 6], [7, 8, 9, 0], [3, 4, 5, 6], [0, 1, 2, 3]]
+    for given in (torch.tensor(padded), np.array(padded)):
+        assert pad_warnings(model, given) == [
+            "3 of the 4 rows of the 2-D prompt start or end with the model's pad_token_id 0 (rows [0, 1, 3]): pad "
+            "tokens are generated from as prompt tokens; pass the prompts unpadded, as lists of token ids"]
+    assert pad_warnings(model, torch.tensor([[3, 4, 0, 6], [1, 2, 3, 4]])) == []
+    assert pad_warnings(model, padded) == []
+    model.generation_config.pad_token_id = None
+    assert model.config.pad_token_id is None
+    assert pad_warnings(model, torch.tensor(padded)) == []
+    model.config.pad_token_id = 3
+    assert len(pad_warnings(model, torch.tensor(padded))) == 1

@@ -25,6 +25,7 @@ from ..runner.compiled import eager_forward
 from ..runner.cuda_graphs import decode_buckets
 from ..tuning import LoraTuning
 from .block_allocator import BlockAllocator
+from .call_lock import one_call_at_a_time
 from .kv_cache import (
     PagedKVCache,
     attention_heads,
@@ -36,7 +37,13 @@ from .kv_cache import (
 )
 from .request import GenerationResult, Request, Status
 from .scheduler import Scheduler
-from .validation import build_requests, check_fits
+from .validation import (
+    build_requests,
+    check_fits,
+    check_materialized,
+    pad_token_id,
+    warn_of_doubtful_input,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +54,30 @@ class SyncCBDriver:
     The driver runs the very modules it is given: weight updates between calls are seen by the next call.
     KV memory is allocated for each call's needs and kept for the next one until release().
 
-    observer: called with every step's output (`runner.StepOutput`) as it is launched. static_decode: pure-decode
-    steps replay captured graphs over static buffers (None: where CUDA graphs apply; True also off CUDA, where a
-    "graph" runs its step uncaptured, as the CPU tests of that path do)."""
+    Threads: generate() and release() on the drivers of one model run one at a time (a second thread waits for the
+    first call to return); a call from within a running one on the same thread (from the observer) raises
+    RuntimeError. The model's attention implementation and its modules' training flags end every call as they
+    began."""
 
     def __init__(self, model: torch.nn.Module, config: CBConfig | None = None, *, observer=None,
                  static_decode: bool | None = None):
+        """Check the model and bind a cache and step executors to its device and dtype (the cache's memory is
+        allocated by generate()).
+
+        Args:
+            model: a transformers causal LM, or a PEFT model wrapping one, whose attention goes through
+                transformers' AttentionInterface, with every weight materialised.
+            config: engine settings (None: `CBConfig()`).
+            observer: called with every step's output (`runner.StepOutput`) as it is launched.
+            static_decode: pure-decode steps replay captured graphs over static buffers (None: where CUDA graphs
+                apply; True also off CUDA, where a "graph" runs its step uncaptured, as the CPU tests of that path
+                do).
+
+        Raises:
+            ValueError: a parameter or buffer holds no values (the meta device), the model's attention cannot be
+                replaced, or (with `batch_invariant`) the model has layers the exact mode does not cover.
+        """
+        check_materialized(model)
         self.model = model
         self.config = config or CBConfig()
         self.observer = observer
@@ -102,28 +127,50 @@ class SyncCBDriver:
         """Re-bind after the model moved to another device or dtype (`.to()`), dropping the old cache."""
         weight = base_model(self.model).get_input_embeddings().weight
         if (weight.device, weight.dtype) != (self.device, self.dtype):
-            self.release()
+            self._release(keep_graphs=False)
             self._bind()
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress_bar: bool | None = None, *, seed: int | None = None) -> list[GenerationResult]:
-        """Generate a continuation for every prompt; results come back in input order.
+        """Generate a continuation for every prompt; results come back in input order. Bad input raises ValueError
+        before any work, and before any warning.
 
-        prompts: lists of token ids (ints, numpy or torch integers), or a 2-D tensor or array.
-        params: one SamplingParams for all prompts, or one per prompt. Bad input raises ValueError before any work.
-        seed: each request without a seed of its own derives a distinct one from it: the call is reproducible and
-            the G copies of a GRPO prompt differ. None draws them from torch's global RNG."""
+        Args:
+            prompts: lists of token ids (ints, numpy or torch integers), unpadded, or a 2-D tensor or array (a
+                UserWarning where its rows start or end with the model's pad token).
+            params: one SamplingParams for all prompts, or one per prompt (None: `SamplingParams()`).
+            progress_bar: show a progress bar of the tokens generated (None: `CBConfig.progress_bar`).
+            seed: each request without a seed of its own derives a distinct one from it: the call is reproducible
+                and the G copies of a GRPO prompt differ. None draws them from torch's global RNG.
+
+        Returns:
+            One GenerationResult per prompt, in input order.
+
+        Raises:
+            ValueError: a bad prompt or parameter (naming the request), a request that cannot fit the model's
+                positions or the cache, a weight of the model that holds no values.
+            RuntimeError: a call on the same model is running on this thread already.
+        """
         base = base_model(self.model)
-        vocab_size = base.get_output_embeddings().weight.shape[0]       # read at every call: embeddings may resize
-        requests = build_requests(prompts, params, seed, vocab_size, base.generation_config)
-        if not requests:
-            return []
-        self._follow_model()
+        with one_call_at_a_time(base, "generate"):
+            check_materialized(self.model)
+            vocab_size = base.get_output_embeddings().weight.shape[0]       # read at every call: embeddings resize
+            requests = build_requests(prompts, params, seed, vocab_size, base.generation_config)
+            if not requests:
+                return []
+            self._follow_model()
+            text_config = base.config.get_text_config()
+            capacity, limit = self._capacity_blocks(text_config)
+            check_fits(requests, text_config, self.config.block_size, capacity, limit)
+            warn_of_doubtful_input(requests, prompts, text_config, pad_token_id(base))
+            self._generate(requests, capacity, progress_bar)
+            self._note_preemptions(requests, limit)
+            return [GenerationResult.of(r) for r in requests]
+
+    def _generate(self, requests: list[Request], capacity: int, progress_bar: bool | None) -> None:
+        """Run checked requests to their end, the model in generation mode, the cache sized to them."""
         cfg = self.config
-        text_config = base.config.get_text_config()
-        capacity, limit = self._capacity_blocks(text_config)
-        check_fits(requests, text_config, cfg.block_size, capacity, limit)
         num_blocks = cfg.num_blocks or blocks_to_allocate([r.max_positions for r in requests], cfg.block_size,
                                                           cfg.max_batch_size, capacity)
         show = cfg.progress_bar if progress_bar is None else progress_bar
@@ -140,8 +187,6 @@ class SyncCBDriver:
                 self.runner.replay.begin_call(max(blocks_for(r.max_positions, cfg.block_size) for r in requests),
                                               modules)
             self._run(requests, bar)
-        self._note_preemptions(requests, limit)
-        return [GenerationResult.of(r) for r in requests]
 
     def _note_preemptions(self, requests: list[Request], limit: str) -> None:
         """A warning on the log where the cache was too small for the call: what it needed, what it held, why."""
@@ -168,10 +213,21 @@ class SyncCBDriver:
 
     def release(self, keep_graphs: bool = False) -> None:
         """Free the KV cache for training, and the captured graphs unless keep_graphs; the next generate() allocates
-        the cache again. Kept graphs (their memory: one decode step's activations per bucket, in one pool) are
-        replayed again over the new cache: the Triton backend's decode reaches the pools through a table of where
-        they lie (`PagedKVCache.pool_offsets`), wherever they land; other backends' graphs only where the pools come
-        back at the same addresses, else they are captured again."""
+        the cache again. Waits for a generate() running on another thread.
+
+        Args:
+            keep_graphs: keep the captured decode graphs (their memory: one decode step's activations per bucket, in
+                one pool). They are replayed again over the new cache: the Triton backend's decode reaches the pools
+                through a table of where they lie (`PagedKVCache.pool_offsets`), wherever they land; other backends'
+                graphs only where the pools come back at the same addresses, else they are captured again.
+
+        Raises:
+            RuntimeError: a call on the same model is running on this thread already.
+        """
+        with one_call_at_a_time(base_model(self.model), "release"):
+            self._release(keep_graphs)
+
+    def _release(self, keep_graphs: bool) -> None:
         self.cache.release()
         if self.runner.replay is not None and not keep_graphs:
             self.runner.replay.graphs.release()

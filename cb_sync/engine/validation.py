@@ -1,15 +1,32 @@
-"""generate()'s input checks: Requests from prompts and params, lengths against the model and the cache."""
+"""generate()'s input checks: a model whose weights are all there, Requests from prompts and params, lengths against
+the model and the cache; the warnings a call may give, once nothing in it is refused."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from ..config import SamplingParams, as_int, seed_int
+from ..model_patching.swaps import module_list
 from .kv_cache import blocks_for
 from .request import Request
+
+
+def check_materialized(model: torch.nn.Module) -> None:
+    """ValueError naming the first parameter or buffer of `model` that holds no values: on the meta device (a model
+    built under `torch.device("meta")`, or loaded with its weights still to come) or a lazy module's uninitialised
+    parameter. Nothing could run on it: this says why before any work, where torch would fail deep in a step."""
+    for module in module_list(model):
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None and (tensor.is_meta or isinstance(tensor, UninitializedTensorMixin)):
+                kind, name = next((kind, name) for kind, named in (("parameter", model.named_parameters()),
+                                                                    ("buffer", model.named_buffers()))
+                                  for name, t in named if t is tensor)
+                raise ValueError(f"the model's {kind} {name!r} holds no values (device {tensor.device}, "
+                                 f"{type(tensor).__name__}): load or materialise its weights before generating")
 
 
 def build_requests(prompts, params, seed: int | None, vocab_size: int, generation_config) -> list[Request]:
@@ -49,6 +66,10 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
 def prompt_rows(prompts) -> list[Sequence]:
     """The prompts as a list of token sequences (a tensor or array gives its rows as lists); ValueError for prompts
     that are not a list of sequences, naming the request."""
+    if isinstance(prompts, Mapping) and "input_ids" in prompts:
+        raise ValueError(f"prompts must be a list of token-id lists, got a {type(prompts).__name__}: pass "
+                         'encoding["input_ids"], from the tokenizer called on a list of texts without padding (pad '
+                         "tokens would be generated from as prompt tokens)")
     rows = prompts.tolist() if hasattr(prompts, "tolist") else prompts
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
@@ -77,23 +98,47 @@ def _check_prompt(index: int, tokens: Sequence, vocab_size: int) -> list[int]:
 
 def check_fits(requests: list[Request], text_config, block_size: int, capacity: int, limit: str) -> None:
     """ValueError for a request longer than the model's learned positions or than the whole cache (`capacity`
-    blocks, set by `limit`); a warning past a rotary model's max_position_embeddings, as HF generate's. A request
-    feeds len(prompt) + max_new_tokens - 1 positions: its last token is never fed back."""
+    blocks, set by `limit`). A request feeds len(prompt) + max_new_tokens - 1 positions: its last token is never fed
+    back."""
     learned = learned_position_limit(text_config)
-    rotary = None if learned is not None else getattr(text_config, "max_position_embeddings", None)
     for request in requests:
         prefix = (f"request {request.index}: prompt of {len(request.prompt)} tokens plus max_new_tokens="
                   f"{request.params.max_new_tokens}")
         if learned is not None and request.max_positions > learned:
             raise ValueError(f"{prefix} exceeds the model's {learned} learned positions")
-        if rotary is not None and request.max_positions > rotary:
-            warnings.warn(f"generating past the model's max_position_embeddings ({rotary}): positions beyond it were "
-                          "not trained, the output may degrade", stacklevel=3)
-            rotary = None
         needed = blocks_for(request.max_positions, block_size)
         if needed > capacity:
             raise ValueError(f"{prefix} needs {needed} KV blocks of {block_size} tokens, but the cache "
                              f"holds at most {capacity} ({limit})")
+
+
+def warn_of_doubtful_input(requests: list[Request], prompts, text_config, pad_token_id: int | None) -> None:
+    """Warnings, once a call, for input that runs but may not be what the caller meant: positions past a rotary
+    model's max_position_embeddings (as HF generate warns), and a 2-D prompt (tensor or array) with rows that start
+    or end with the pad token, which would be generated from as prompt tokens. Given after every check has passed:
+    a call that raises gives no warning first."""
+    if learned_position_limit(text_config) is None:
+        rotary = getattr(text_config, "max_position_embeddings", None)
+        if rotary is not None and max(request.max_positions for request in requests) > rotary:
+            warnings.warn(f"generating past the model's max_position_embeddings ({rotary}): positions beyond it were "
+                          "not trained, the output may degrade", stacklevel=3)
+    if pad_token_id is None or getattr(prompts, "ndim", None) != 2:
+        return
+    padded = [r.index for r in requests if pad_token_id in (r.prompt[0], r.prompt[-1])]
+    if padded:
+        warnings.warn(f"{len(padded)} of the {len(requests)} rows of the 2-D prompt start or end with the model's "
+                      f"pad_token_id {pad_token_id} (rows {padded[:8]}{', ...' if len(padded) > 8 else ''}): pad "
+                      "tokens are generated from as prompt tokens; pass the prompts unpadded, as lists of token ids",
+                      UserWarning, stacklevel=3)
+
+
+def pad_token_id(model: torch.nn.Module) -> int | None:
+    """The model's pad token id: its generation config's, else its config's (None where neither names one)."""
+    for config in (model.generation_config, model.config, model.config.get_text_config()):
+        value = as_int(getattr(config, "pad_token_id", None))
+        if value is not None:
+            return value
+    return None
 
 
 def learned_position_limit(text_config) -> int | None:
