@@ -19,32 +19,39 @@ MIN_TEMPERATURE = 1e-6        # logits / temperature stay finite in float32
 class CBConfig:
     """Engine settings for SyncCBDriver, validated once and frozen (`dataclasses.replace` makes a changed copy).
 
-    block_size: tokens per KV block.
-    num_blocks: KV blocks to allocate; None sizes the cache to each call's needs, within max_cache_gib.
-    max_batch_tokens: token budget of one step, shared by prefill chunks and decodes.
-    max_batch_size: most requests running at once.
-    attn_backend: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton" | "flash" (flash-attn 4's paged
-        kernels, an optional extra: ValueError naming what is missing where they cannot run) | "flash_prefill"
-        (flash-attn 4 for steps with prompt tokens, which include the recompute of preempted requests; Triton for
-        pure decode: faster than auto with prompts of ~1k tokens and more, slower with short ones).
-    cuda_graphs: replay captured graphs for pure-decode steps (CUDA with the Triton or flash backend; the sdpa_paged
-        reference syncs with the host and always runs eagerly).
-    compile: torch.compile the decode step before capture (CUDA graphs only; elsewhere ignored with a warning);
-        prefill and mixed steps run the same compiled function, uncaptured.
-    lora_kernels: with the Triton or flash backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA kernel in decode
-        steps, compiled steps and long eager prefill steps (same parameters, PEFT's function); False keeps PEFT's own
-        forward.
-    max_cache_gib: cap on KV memory when num_blocks is None; a call needing more preempts requests (recomputed later
-        from their prompts and the tokens they had sampled) instead of failing, and logs a warning saying so. On a
-        GPU with less free memory than the cap, the cache takes what is free, less what the largest step needs (an
-        estimate from the model's widths, max_batch_tokens and max_batch_size; at least 2 GiB).
-    prefix_sharing: requests with identical prompt prefixes share their full KV blocks.
-    progress_bar: None = only when stderr is a terminal.
-    tuning: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).
-    batch_invariant: a request's tokens and logprobs depend on that request alone, bit for bit: not on what else is in
-        the batch, on prefill chunking, preemption or graph replay (`batch_invariant.py`). LoRA layers run the LoRA
-        kernel in one fixed tiling (on CUDA, with lora_kernels), means one program per row, other linear layers and
-        reductions over fixed-shape row blocks, attention a row-invariant path; uncompiled; slower."""
+    Args (defaults in brackets):
+        block_size [16]: tokens per KV block.
+        num_blocks [None]: KV blocks to allocate; None sizes the cache to each call's needs, within max_cache_gib.
+        max_batch_tokens [2048]: token budget of one step, shared by prefill chunks and decodes.
+        max_batch_size [64]: most requests running at once.
+        attn_backend ['auto']: "auto" (Triton on CUDA, else sdpa_paged) | "sdpa_paged" | "triton" | "flash"
+            (flash-attn 4's paged kernels, an optional extra: ValueError naming what is missing where they cannot
+            run) | "flash_prefill" (flash-attn 4 for steps with prompt tokens, which include the recompute of
+            preempted requests; Triton for pure decode: for long prompts, about 1k tokens and more).
+        cuda_graphs [True]: replay captured graphs for pure-decode steps (CUDA with the Triton or flash backend; the
+            sdpa_paged reference syncs with the host and always runs eagerly).
+        compile [False]: torch.compile the decode step before capture (CUDA graphs only; elsewhere ignored with a
+            warning); prefill and mixed steps run the same compiled function, uncaptured.
+        lora_kernels [True]: with the Triton or flash backend, PEFT LoRA Linear layers run cb_sync's Triton LoRA
+            kernel in decode steps, compiled steps and long eager prefill steps (same parameters, PEFT's function);
+            False keeps PEFT's own forward.
+        max_cache_gib [16.0]: cap on KV memory when num_blocks is None; a call needing more preempts requests
+            (recomputed later from their prompts and the tokens they had sampled) instead of failing, and logs a
+            warning saying so. On a GPU with less free memory than the cap, the cache takes what is free, less what
+            the largest step needs (an estimate from the model's widths, max_batch_tokens and max_batch_size; at
+            least 2 GiB).
+        prefix_sharing [True]: requests with identical prompt prefixes share their full KV blocks.
+        progress_bar [None]: show a progress bar; None = only when stderr is a terminal.
+        tuning [KernelTuning()]: tile sizes and size thresholds of the Triton kernels (`tuning.KernelTuning`).
+        batch_invariant [False]: a request's tokens and logprobs depend on that request alone, bit for bit: not on
+            what else is in the batch, on prefill chunking, preemption or graph replay (`cb_sync.batch_invariant`).
+            LoRA layers run the LoRA kernel in one fixed tiling (on CUDA, with lora_kernels), means one program per
+            row, other linear layers and reductions over fixed-shape row blocks, attention a row-invariant path;
+            uncompiled; slower.
+
+    Raises:
+        ValueError: a field of the wrong type or out of range, naming it and the value.
+    """
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -79,14 +86,28 @@ class CBConfig:
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p); defaults in brackets.
+    """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p). Validated on construction,
+    and again by generate() (a field may have changed since).
 
-    max_new_tokens [256]; do_sample: False = greedy [False]; temperature [1.0]; top_k: 0 = off [0]; top_p [1.0];
-    min_p [0.0]. The last four apply when do_sample; greedy decoding also accepts temperature 0.
-    seed: None draws a fresh one per request, from generate(seed=...) where given, else torch's global RNG [None].
-    eos_token_id: int, list of ints (empty = no EOS), None = the model's generation config at call time [None].
-    stop_token_ids: extra tokens that end the request with finish_reason "stop" [[]].
-    logprobs: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy) [False]."""
+    Args (defaults in brackets):
+        max_new_tokens [256]: most tokens to generate.
+        do_sample [False]: sample; False is greedy decoding.
+        temperature [1.0]: logits are divided by it (greedy decoding also accepts 0).
+        top_k [0]: keep the k most likely tokens; 0 is off.
+        top_p [1.0]: keep the most likely tokens whose probabilities sum to top_p.
+        min_p [0.0]: drop tokens less likely than min_p times the most likely one.
+        seed [None]: the request's sampling seed; None draws one per request, from generate(seed=...) where given,
+            else from torch's global RNG.
+        eos_token_id [None]: int, or list of ints (empty: no EOS); None takes the model's generation config at call
+            time.
+        stop_token_ids [[]]: extra tokens that end the request with finish_reason "stop".
+        logprobs [False]: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy).
+
+    temperature, top_k, top_p and min_p apply when do_sample.
+
+    Raises:
+        ValueError: a field of the wrong type or out of range, naming it and the value.
+    """
 
     max_new_tokens: int = 256
     do_sample: bool = False

@@ -78,8 +78,8 @@ def attention_heads(text_config) -> tuple[int, int, int]:
     return heads, kv_heads, getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
 
 
-MIN_STEP_HEADROOM_BYTES = 2 * 2**30    # the Qwen3-4B shape with LoRA took ~1.3 GiB beside its weights and KV at
-                                       # 16,384 tokens a step, where step_headroom's estimate is 1.6 GiB
+MIN_STEP_HEADROOM_BYTES = 2 * 2**30    # a floor under step_headroom's estimate, for what it does not count: library
+                                       # workspaces, autotuning, the allocator's rounding
 
 
 def step_headroom(text_config, max_batch_tokens: int, max_batch_size: int, element_size: int) -> int:

@@ -64,10 +64,17 @@ class Request:
 
 @dataclass
 class GenerationResult:
-    """What generate() returns for one prompt, in input order: request_id (the prompt's index), prompt_ids, token_ids
-    (the generated tokens only, the EOS or stop token included), logprobs (one per token with logprobs=True, else
-    None), finish_reason ("eos" | "stop" | "length") and seed (the request's sampling seed, its own or the one drawn
-    for it: SamplingParams(seed=seed) draws the same sampling noise again)."""
+    """What generate() returns for one prompt, in input order.
+
+    Args:
+        request_id: the prompt's index in the call.
+        prompt_ids: the prompt's token ids.
+        token_ids: the generated tokens only, the EOS or stop token included.
+        logprobs: one per generated token with `SamplingParams(logprobs=True)`, else None.
+        finish_reason: "eos" | "stop" | "length".
+        seed: the request's sampling seed, its own or the one drawn for it: `SamplingParams(seed=seed)` draws the
+            same sampling noise again.
+    """
 
     request_id: int
     prompt_ids: list[int]

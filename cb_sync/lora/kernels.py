@@ -2,8 +2,8 @@
 gate/up), with PEFT's dtypes and roundings.
 
 PEFT computes `result + lora_B(lora_A(x.to(A.dtype))) * scaling` and casts back to the result's dtype; with fp32
-adapters on a bf16 model (PEFT's default upcast) cuBLAS runs that as small fp32 SIMT GEMMs plus split-K reductions:
-~10 us a projection at decode sizes. Here a group of projections takes two launches: `shrink` computes x A_i^T for every
+adapters on a bf16 model (PEFT's default upcast) cuBLAS runs that as small fp32 SIMT GEMMs plus split-K reductions,
+several launches a projection. Here a group of projections takes two launches: `shrink` computes x A_i^T for every
 member over K splits into fp32 partials (no atomics, so runs are bit-reproducible), `expand` sums each member's partials
 in a fixed order, applies B_i, the scaling and the add, its column tiles spanning all members' outputs. Intermediates
 are rounded to the compute dtype (the adapter's, or autocast's) where PEFT's modules round them, and sums run in fp32 as
@@ -62,7 +62,7 @@ def _mma(a, b, acc, NATIVE: tl.constexpr):
 def _dot(a, b, acc, A_IS_BF16: tl.constexpr, NATIVE: tl.constexpr):
     """acc + a @ b with fp32 sums on tensor cores. 16-bit operands: one dot (exact products). fp32 operands: each
     split into three bf16 parts and the six partial products above 2^-16 of the leading one summed, smallest
-    first: fp32 accuracy, which the fp32 FMA dot gives at ~4x the time. A_IS_BF16: a's values are bf16."""
+    first: fp32 accuracy, in fewer instructions than the fp32 FMA dot. A_IS_BF16: a's values are bf16."""
     if a.dtype != tl.float32:
         acc = _mma(a, b, acc, NATIVE)
     else:
@@ -341,7 +341,7 @@ def lora_add_group(x: torch.Tensor, bases: list[torch.Tensor], lora_as: list[tor
     [N_i, R_i]^T as a new tensor of bases[i]'s dtype, with PEFT's roundings: x, A and B in compute_dtype (default:
     the adapters' dtype, one for all members), each product and the scaled delta rounded to it, sums in fp32.
     Two launches for up to MAX_MEMBERS members. split_k input features per shrink program (None: chosen by the
-    row count), loaded block_k at a time (None: the tuning's; tile sizes only, swept by `benchmarks.lora_kernel`)."""
+    row count), loaded block_k at a time (None: the tuning's; tile sizes only)."""
     block_k = tuning.shrink_block_k if block_k is None else block_k
     widths = [b.shape[-1] for b in bases]
     _check_group(x, [bases, lora_as, lora_bs, scalings], split_k, block_k, lora_as, widths, tuning.fixed_tiling)

@@ -45,7 +45,7 @@ def attribute_set(objects: Iterable, name: str, make_value: Callable[[object], o
 
 def module_list(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every module of `model` once, parents before children: what `model.modules()` yields, in breadth-first order,
-    in about 40% of its time (no generator per module; generate() walks a model several times a call)."""
+    without a generator per module (generate() walks a model several times a call)."""
     modules, seen = [model], {id(model)}
     for module in modules:
         for child in module._modules.values():

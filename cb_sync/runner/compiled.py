@@ -14,8 +14,8 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from ..attention import AttnMetadata
 from ..model_patching.swaps import base_model
 
-# independent elementwise kernels (the q and k norms and rotary embeddings, ...) in one launch: measured faster on
-# the 4B shape's decode step
+# independent elementwise kernels (the q and k norms and rotary embeddings, ...) in one launch: a decode step is
+# bound by its launches
 COMPILE_OPTIONS = {"combo_kernels": True}
 
 
