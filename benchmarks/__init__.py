@@ -1,1 +1,1 @@
-"""Benchmarks: decode-step latency, throughput against peers, GRPO steps."""
+"""Benchmarks of cb_sync against its peers: Workloads T (throughput), G and G2 (GRPO) and L (long rollouts)."""

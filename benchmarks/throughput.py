@@ -1,105 +1,53 @@
-"""Workload T: 128-token random prompts, 256 new tokens, greedy, batch 4/32/128, Qwen3-4B shape (+ LoRA r32).
+"""Workload T: 128-token random prompts, 256 new tokens, greedy, batch 4 / 32 / 128, the Qwen3-4B shape with LoRA r32
+live; cb_sync against its peers on one card, ratios from the same run only.
 
-cb_sync and its peers run on the same card in one run; the table gives ratios from this run only.
-    python -m benchmarks.throughput [--batches 4 32 128] [--engines cb_sync cb_sync_compiled hf_generate ...]
-    python -m benchmarks.throughput --tiny --out DIR     # CPU plumbing check: tiny Qwen3, fp32, a few tokens
+    python -m benchmarks throughput [--engines cb_sync_compiled cb_sync_exact hf_generate ...] [--batches 4 32 128]
+        [--isolate [--time-limit S]] [--name NAME] [--out DIR]
+    python -m benchmarks throughput --logprob-gap [--engines cb_sync cb_sync_exact] [--temperatures 1.0 0.1]
+    python -m benchmarks throughput --from-json A.json B.json --name NAME      # merge the rows of several runs
+    python -m benchmarks throughput --tiny --out DIR          # CPU plumbing: the tiny model, fp32, a few tokens
 
-Engines: cb_sync (decode graphs, Triton LoRA kernel), cb_sync_peft_lora (PEFT's LoRA forward), cb_sync_compiled
-(+ torch.compile, which also runs the steps that are not pure decode; compiled engines run after the others so that
-one compile serves every batch), hf_generate, hf_generate_static
-(static cache, compiled by `generate`; not run by default: a compile per batch size), transformers_cb; with
---isolate also vllm (LoRA r32 through vLLM's LoRARequest) and vllm_nolora (benchmarks/peers_vllm.py: one engine
-serves every batch size, its start is timed, and its rows record the card's memory it holds and reserves).
+Engines: cb_sync (uncompiled), cb_sync_compiled (the decode step compiled), cb_sync_exact (CBConfig(batch_invariant=
+True): uncompiled), hf_generate (dynamic cache), hf_generate_static (static cache compiled by `generate`: a compile a
+batch size), transformers_cb (transformers' continuous batching, CUDA graphs), and with --isolate vllm (the same
+adapter through a LoRARequest) and vllm_nolora (merged weights, TRL's vLLM path; benchmarks.peers). --isolate runs each
+engine in a process of its own; an engine that fails or runs out of time leaves rows with the reason. A cb_sync or
+vLLM row is the median of 3 timed calls after a warm-up call, the other peers' one timed call (they take 3-20x
+longer); `--no-lora-engines` also runs those engines with the adapter disabled.
 
-With --isolate each engine runs in a process of its own (all its batch sizes), one after the other; without it, all
-run in this process. --time-limit bounds an isolated run: an engine still running then is stopped, and its missing
-rows say so, as the rows of an engine that failed carry its error. Each row is one engine at one batch size after a
-warm-up call: cb_sync's and vLLM's rows give the median of REPEATS timed calls (all in `call_s`), the other peers'
-one timed call (they take 3-20x longer). Between rows the process collects its garbage and returns cached GPU memory;
-each row records the cyclic garbage collector's pauses within its timed calls (`gc_s`), the objects it tracks, the
-live threads and the card's temperature, clock and power after the row.
+--logprob-gap: requests sampled at each temperature (with logprobs) are scored again by a train-mode forward of the
+same weights, as a trainer scores them (the exact mode through its own forward); per token |generator - trainer|:
+mean, p95, max and the share of ratios outside [0.9, 1.1].
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import json
+import math
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from benchmarks.common import (RESULTS, build_model, floor_seconds_per_step, gpu_state, grouped_bars, markdown_table,
-                               write_results)
-from benchmarks.isolation import run_child
+from benchmarks.harness import (CB_MODES, RESULTS, bar_chart, build_model, call_floor_seconds, cb_config, exit_code,
+                                free_cached_memory, gpu_state, markdown_table, mode_flags, random_prompts, ratio,
+                                read_rows, run_engines, timed, write_results)
 
-PREFILL_TOKENS = 16384   # cb_sync's max_batch_tokens: the prompts of batch 128 (128 x 128 tokens) in one step
-REPEATS = 3              # timed calls per cb_sync row (the median is reported)
-
-
-def _timed(fn):
-    """Seconds, peak GiB of GPU memory (0 on the CPU) and seconds of garbage-collector pauses of fn()."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    with _gc_pauses() as pauses:
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, pauses[0]
-
-
-@contextlib.contextmanager
-def _gc_pauses():
-    """A one-item list that holds, on leaving the block, the seconds the cyclic garbage collector ran within it."""
-    total, started = [0.0], []
-
-    def callback(phase, info):
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            total[0] += time.perf_counter() - started.pop()
-    gc.callbacks.append(callback)
-    try:
-        yield total
-    finally:
-        gc.callbacks.remove(callback)
-
-
-def run_cb_sync(model, prompts, new_tokens, compile_model=False, lora_kernels=True):
-    from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-    steps = StepTimes()
-    driver = SyncCBDriver(model, CBConfig(max_batch_size=max(len(prompts), 1), max_batch_tokens=PREFILL_TOKENS,
-                                          compile=compile_model, lora_kernels=lora_kernels), observer=steps)
-    params = SamplingParams(max_new_tokens=new_tokens)
-    warmup, *_ = _timed(lambda: driver.generate(prompts, params))
-    replay = driver.runner.replay
-    timings = {"first_call_s": round(warmup, 2), "graph_warmup_s": round(replay.warmup_seconds, 2) if replay else 0,
-               "capture_s": round(replay.graphs.capture_seconds, 2) if replay else 0}
-    calls = []
-    for _ in range(REPEATS):
-        steps.clear()
-        seconds, peak, gc_s = _timed(lambda: driver.generate(prompts, params))
-        calls.append((seconds, peak, gc_s, steps.split(seconds)))
-    driver.release()
-    seconds, _, gc_s, median_call = sorted(calls, key=lambda call: call[0])[len(calls) // 2]
-    return seconds, max(call[1] for call in calls), {**timings, **median_call, "gc_s": round(gc_s, 4),
-                                                     "call_s": [round(call[0], 3) for call in calls]}
+OUT = RESULTS / "throughput"
+PREFILL_TOKENS = 16384      # cb_sync's max_batch_tokens: batch 128's prompts (128 x 128 tokens) in one step
+REPEATS = 3                 # timed calls of a cb_sync row (the median is reported)
+PEERS = ("hf_generate", "hf_generate_static", "transformers_cb", "vllm", "vllm_nolora")
+VLLM_ENGINES = ("vllm", "vllm_nolora")
+DEFAULT_ENGINES = ("cb_sync_compiled", "hf_generate", "transformers_cb")
 
 
 class StepTimes(list):
-    """A driver observer: the outputs of a call's steps, and `split(seconds)`, the call's time split into graph
-    replays, eager steps and the rest. An eager step ends with the host read of its tokens, so its wall time is
-    its whole time; replays launched one ahead of another's read share their chain's wall time equally."""
+    """A driver observer: its steps' outputs, and `split(seconds)`, a call's time in graph replays, eager steps and
+    the rest. Replays launched one ahead of another's read share their chain's wall time equally."""
 
     def __call__(self, output) -> None:
         self.append(output)
@@ -107,22 +55,39 @@ class StepTimes(list):
     def split(self, seconds: float) -> dict:
         eager = [o.read_at - o.started_at for o in self if o.path != "replay"]
         chains = []
-        for output in self:
-            if output.path == "replay":
-                if output.ahead and chains:
-                    chains[-1].append(output)
-                else:
-                    chains.append([output])
+        for output in (o for o in self if o.path == "replay"):
+            if output.ahead and chains:
+                chains[-1].append(output)
+            else:
+                chains.append([output])
         replay_s = sum(chain[-1].read_at - chain[0].started_at for chain in chains)
-        replays = sum(len(chain) for chain in chains)
-        return {"replay_steps": replays, "replay_step_ms": round(1e3 * replay_s / replays, 3) if replays else None,
+        replays = sum(map(len, chains))
+        return {"replay_step_ms": round(1e3 * replay_s / replays, 3) if replays else None,
                 "eager_steps": len(eager), "eager_s": round(sum(eager), 3),
                 "outside_steps_s": round(seconds - replay_s - sum(eager), 3)}
 
 
+def run_cb_sync(engine: str, model, prompts, new_tokens: int):
+    from cb_sync import SamplingParams, SyncCBDriver
+    steps = StepTimes()
+    config = cb_config(engine, max_batch_size=len(prompts), max_batch_tokens=PREFILL_TOKENS)
+    driver = SyncCBDriver(model, config, observer=steps)
+    params = SamplingParams(max_new_tokens=new_tokens)
+    first, *_ = timed(lambda: driver.generate(prompts, params))
+    calls = []
+    for _ in range(REPEATS):
+        steps.clear()
+        seconds, peak, gc_s = timed(lambda: driver.generate(prompts, params))
+        calls.append((seconds, peak, gc_s, steps.split(seconds)))
+    driver.release()
+    seconds, _, gc_s, split = sorted(calls, key=lambda call: call[0])[len(calls) // 2]
+    return seconds, max(call[1] for call in calls), {
+        "first_call_s": round(first, 2), **split, "gc_s": round(gc_s, 4), "call_s": [round(c[0], 3) for c in calls]}
+
+
 class StopAfter(StoppingCriteria):
-    """Stops every row once the sequences are `length` tokens long: a warm-up call that keeps the call's cache
-    length (so its compiled shapes) but decodes only a few tokens."""
+    """Stops every row at `length` tokens: a warm-up call with the timed call's cache length (its compiled shapes)
+    that decodes only a few tokens."""
 
     def __init__(self, length: int):
         self.length = length
@@ -133,8 +98,8 @@ class StopAfter(StoppingCriteria):
 
 class HFStepClock(StoppingCriteria):
     """Times HF `generate`'s steps by sequence length, and stops every row once time.monotonic() passes `deadline`
-    (None: never). `generate` checks its criteria after every token and reads on the host whether rows are left, at
-    most a step late, so the host keeps within a step of the device and the times between checks are its steps."""
+    (None: never). `generate` checks its criteria after every token and reads the answer on the host, so the times
+    between checks are its steps."""
 
     def __init__(self, deadline: float | None = None):
         self.deadline = deadline
@@ -152,11 +117,9 @@ class HFStepClock(StoppingCriteria):
         return round(statistics.median(times), 3) if times else None
 
 
-def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None,
-                    clock: HFStepClock | None = None):
-    """HF `generate` with its dynamic cache, or with a static cache (which `generate` compiles: timed warm, after
-    a first call that compiles for this batch size; warmup_tokens: that call stops after so many new tokens).
-    clock: times the timed call's steps, and may stop it at its deadline (its `ends` say how far it got)."""
+def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None, clock: HFStepClock | None = None):
+    """HF `generate`, dynamic cache, or static (compiled by `generate`: timed after a first call that compiles for
+    this batch size and stops after warmup_tokens). clock: times the timed call's steps and may stop it."""
     ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
@@ -167,11 +130,11 @@ def run_hf_generate(model, prompts, new_tokens, static=False, warmup_tokens=None
             stop = [StopAfter(ids.shape[1] + warmup_tokens)] if warmup_tokens else []
             if clock is not None:                   # the compiling call stops at the clock's deadline too
                 stop.append(HFStepClock(clock.deadline))
-            first, *_ = _timed(lambda: model.generate(ids, stopping_criteria=StoppingCriteriaList(stop), **kwargs))
-            extra["first_call_s"] = round(first, 2)
-            extra["first_call_tokens"] = min(warmup_tokens or new_tokens, new_tokens)
-        timed = StoppingCriteriaList([] if clock is None else [clock])
-        seconds, peak, gc_s = _timed(lambda: model.generate(ids, stopping_criteria=timed, **kwargs))
+            first, *_ = timed(lambda: model.generate(ids, stopping_criteria=StoppingCriteriaList(stop), **kwargs))
+            extra = {"first_call_s": round(first, 2), "first_call_tokens": min(warmup_tokens or new_tokens,
+                                                                               new_tokens)}
+        criteria = StoppingCriteriaList([] if clock is None else [clock])
+        seconds, peak, gc_s = timed(lambda: model.generate(ids, stopping_criteria=criteria, **kwargs))
     return seconds, peak, {**extra, "gc_s": round(gc_s, 4)}
 
 
@@ -179,207 +142,225 @@ def run_transformers_cb(model, prompts, new_tokens):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cb_config = ContinuousBatchingConfig(use_cuda_graph=model.device.type == "cuda", max_memory_percent=0.5)
+    cb = ContinuousBatchingConfig(use_cuda_graph=model.device.type == "cuda", max_memory_percent=0.5)
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     target.set_attn_implementation("paged|sdpa")
     try:
         with torch.no_grad():
-            seconds, peak, gc_s = _timed(lambda: model.generate_batch(prompts, generation_config=config,
-                                                                      continuous_batching_config=cb_config))
+            seconds, peak, gc_s = timed(lambda: model.generate_batch(prompts, generation_config=config,
+                                                                     continuous_batching_config=cb))
     finally:
         target.set_attn_implementation("sdpa")
     return seconds, peak, {"gc_s": round(gc_s, 4)}
 
 
-ENGINES = {
-    "cb_sync": run_cb_sync,                                                   # graphs + Triton LoRA kernel
-    "cb_sync_peft_lora": lambda *a: run_cb_sync(*a, lora_kernels=False),      # graphs, PEFT's LoRA forward
-    "cb_sync_compiled": lambda *a: run_cb_sync(*a, compile_model=True),       # + torch.compile
-    "hf_generate": run_hf_generate,
-    "hf_generate_static": lambda *a: run_hf_generate(*a, static=True),     # + static cache, compiled by HF
-    "transformers_cb": run_transformers_cb,
-}
-VLLM_ENGINES = ("vllm", "vllm_nolora")          # --isolate only: benchmarks.peers_vllm, one engine per process
-PEERS = ("hf_generate", "hf_generate_static", "transformers_cb", *VLLM_ENGINES)
-CROSS_ADAPTER_PEERS = ("vllm_nolora",)           # compared with every row of its batch, with or without an adapter
-DEFAULT_ENGINES = ("cb_sync", "hf_generate", "transformers_cb")   # hf_generate_static compiles per batch size
+def run_engine(engine: str, model, prompts, new_tokens: int):
+    if engine in CB_MODES:
+        return run_cb_sync(engine, model, prompts, new_tokens)
+    if engine == "transformers_cb":
+        return run_transformers_cb(model, prompts, new_tokens)
+    return run_hf_generate(model, prompts, new_tokens, static=engine == "hf_generate_static")
 
 
-def make_prompts(vocab_size: int, batches: list[int], prompt_len: int) -> dict[int, list[list[int]]]:
-    """The random prompts of every batch size, the same for every engine and process."""
-    gen = torch.Generator().manual_seed(0)
-    return {batch: torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).tolist() for batch in batches}
+def identity(engine: str, batch: int, lora: bool, args) -> dict:
+    """What a row says whether it was measured or not."""
+    return {"engine": engine, "workload": "T", "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora,
+            "batch": batch, "sampler": "greedy", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            **mode_flags(engine)}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
-    parser.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES), choices=[*ENGINES, *VLLM_ENGINES])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--no-lora-engines", nargs="*", default=["cb_sync"], choices=list(ENGINES),
-                        help="engines that also run with the adapter disabled")
-    parser.add_argument("--name", default="throughput")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--tiny", action="store_true",
-                        help="CPU plumbing check: tiny Qwen3 in fp32, batches 2 and 4, 8-token prompts, 8 new tokens")
-    parser.add_argument("--from-json", nargs="*", default=None, metavar="FILE",
-                        help="measure nothing: redraw <out>/<name>.md and .png from <out>/<name>.json; with FILEs, "
-                             "that json is first their rows merged (runs of one machine, in several calls)")
-    parser.add_argument("--isolate", action="store_true",
-                        help="each engine in a process of its own, one after the other, on the same card")
-    parser.add_argument("--time-limit", type=float, default=None,
-                        help="--isolate: seconds for all engines together; an engine still running then is stopped")
-    args = parser.parse_args(argv)
-    if not args.isolate and set(args.engines) & set(VLLM_ENGINES):
-        parser.error(f"{', '.join(VLLM_ENGINES)} run with --isolate only (one engine start serves every batch)")
-    if args.from_json is not None:
-        if args.from_json:
-            merged = [row for path in args.from_json for row in json.loads(Path(path).read_text())]
-            (args.out / f"{args.name}.json").write_text(json.dumps(merged, indent=1))
-        rows = json.loads((args.out / f"{args.name}.json").read_text())
-        (args.out / f"{args.name}.md").write_text(_table(rows))
-        plot([row for row in rows if row.get("tok_per_s")], args.out / f"{args.name}.png")
-        return
-    if args.tiny and args.engines == list(DEFAULT_ENGINES):   # transformers CB spends ~10 s a call starting on the CPU
-        args.engines = ["cb_sync", "hf_generate"]
-    if args.tiny:
-        args.batches, args.prompt_len, args.new_tokens = [2, 4], 8, 8
-    if args.isolate:
-        return _isolated(args)
-    if args.tiny:
-        model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
-    else:
-        model = build_model(lora=True)
-    prompts = make_prompts(model.config.vocab_size, args.batches, args.prompt_len)
-    jobs = []
-    for compiled in (False, True):      # compiled engines last: their one compile serves every batch size
-        for batch in args.batches:
-            for engine in args.engines:
-                if engine.endswith("_compiled") == compiled:
-                    jobs.append((engine, batch, True))
-                    if engine in args.no_lora_engines:
-                        jobs.append((engine, batch, False))
+def measured(engine: str, batch: int, lora: bool, args, seconds: float, peak_gib: float | None, extra: dict) -> dict:
+    floor = call_floor_seconds(batch, args.prompt_len, args.new_tokens, lora)
+    return {**identity(engine, batch, lora, args), "tok_per_s": round(batch * args.new_tokens / seconds, 1),
+            "seconds": round(seconds, 2), "peak_gib": None if peak_gib is None else round(peak_gib, 2),
+            "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1), **extra, **gpu_state()}
+
+
+def run_in_process(args) -> list[dict]:
+    """Every engine here; compiled engines last, so that one compile serves every batch size."""
+    model = build_model(lora=True, tiny=args.tiny)
+    prompts = random_prompts(model.config.vocab_size, args.batches, args.prompt_len)
+    jobs = [(engine, batch, lora) for compiled in (False, True) for batch in args.batches for engine in args.engines
+            if engine.endswith("_compiled") == compiled
+            for lora in ([True, False] if engine in args.no_lora_engines else [True])]
     rows = []
     for engine, batch, lora in jobs:
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()         # what an engine left cached is returned before the next one runs
-        state = {"gc_objects": len(gc.get_objects()), "threads": threading.active_count()}
+        free_cached_memory()             # what an engine left cached goes back before the next one runs
         try:
             with contextlib.nullcontext() if lora else model.disable_adapter():
-                seconds, peak, extra = ENGINES[engine](model, prompts[batch], args.new_tokens)
-        except Exception as error:                   # a peer that fails is reported, not fatal
+                seconds, peak, extra = run_engine(engine, model, prompts[batch], args.new_tokens)
+        except Exception as error:       # a peer that fails is reported, not fatal
             print(f"{engine} batch {batch} failed: {error!r}", flush=True)
             continue
-        extra = {**extra, **state, **gpu_state()}
-        tok_s = batch * args.new_tokens / seconds
-        floor = args.new_tokens * floor_seconds_per_step(batch, args.prompt_len + args.new_tokens // 2, lora)
-        rows.append({"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora,
-                     "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "tok_per_s": round(tok_s, 1), "seconds": round(seconds, 2), "peak_gib": round(peak, 2),
-                     "pct_of_floor": None if args.tiny else round(100 * floor / seconds, 1), **extra})
+        rows.append(measured(engine, batch, lora, args, seconds, peak, extra))
         print(rows[-1], flush=True)
-        write_results(args.name, rows, _table(rows), args.out)   # after every row: a run cut short keeps its rows
-    plot(rows, args.out / f"{args.name}.png")
-    print(_table(rows))
+        save(rows, args)                 # after every row: a run cut short keeps its rows
     return rows
 
 
-def _isolated(args) -> list[dict]:
-    """Run each engine (all its batches) in a fresh process, in the order the jobs would run in one process (the
-    vLLM engines last), so that no engine runs after what another left behind (threads, cached memory, compiled
-    state, an engine's worker: its process group is ended and the card's memory awaited); merge their rows. A row
-    an engine did not write is a row with the reason."""
+def run_isolated(args) -> list[dict]:
+    """Each engine (all its batches) in a fresh process, vLLM last."""
+    def command(engine: str, part: str, left):
+        shared = ["--name", part, "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len",
+                  str(args.prompt_len), "--new-tokens", str(args.new_tokens), *(["--tiny"] * args.tiny)]
+        if engine in VLLM_ENGINES:
+            return [sys.executable, "-m", "benchmarks.peers", "vllm", "--engine", engine, "--workload", "T", *shared]
+        return [sys.executable, "-m", "benchmarks.throughput", "--engines", engine, *shared, "--no-lora-engines",
+                *[e for e in args.no_lora_engines if e == engine]]
+
+    def expected(engine: str) -> list[dict]:
+        adapters = [engine != "vllm_nolora"] + [False] * (engine in args.no_lora_engines)
+        return [identity(engine, batch, lora, args) for batch in args.batches for lora in adapters]
+
     order = sorted(args.engines, key=lambda engine: (engine in VLLM_ENGINES, engine.endswith("_compiled")))
-    stop = None if args.time_limit is None else time.monotonic() + args.time_limit
+    return run_engines(order, command, expected, args.out, args.name, args.time_limit, lambda rows: save(rows, args))
+
+
+# -- the exact mode's logprob gap ---------------------------------------------------------------------------------
+
+def padded_batch(prompts, results):
+    """input_ids / attention_mask [B, P + C]: prompts left-padded, completions right-padded, as TRL lays them out;
+    with the prompts' width and the completions' longest."""
+    width, keep = max(map(len, prompts)), max(len(r.token_ids) for r in results)
+    ids = torch.zeros(len(prompts), width + keep, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        ids[i, width - len(prompt):width], mask[i, width - len(prompt):width] = torch.tensor(prompt), 1
+        ids[i, width:width + len(result.token_ids)] = torch.tensor(result.token_ids)
+        mask[i, width:width + len(result.token_ids)] = 1
+    return ids, mask, width, keep
+
+
+def trainer_logprobs(model, ids, mask, keep: int, temperature: float, config):
+    """[B, keep] logprobs of the completion tokens from a train-mode forward without gradients, in the exact mode
+    where the generator's config is."""
+    from cb_sync.batch_invariant.trainer import invariant_logits, invariant_logprobs
+    model.train()
+    try:
+        with torch.no_grad():
+            if config.batch_invariant:
+                logits = invariant_logits(model, ids, mask, keep, config.block_size, config.lora_kernels,
+                                          config.tuning.lora)
+                return invariant_logprobs(logits, ids[:, -keep:], temperature)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -keep - 1:-1]
+            return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids[:, -keep:, None])[..., 0]
+    finally:
+        model.eval()
+
+
+def logprob_gap(model, engine: str, prompts, new_tokens: int, temperature: float) -> dict:
+    from cb_sync import SamplingParams, SyncCBDriver
+    config = cb_config(engine, max_batch_size=len(prompts))
+    params = [SamplingParams(max_new_tokens=new_tokens, do_sample=True, temperature=temperature, seed=i,
+                             logprobs=True) for i in range(len(prompts))]
+    driver = SyncCBDriver(model, config)
+    results = driver.generate(prompts, params)
+    driver.release()
+    ids, mask, _, keep = padded_batch(prompts, results)
+    device = next(model.parameters()).device
+    trainer = trainer_logprobs(model, ids.to(device), mask.to(device), keep, temperature, config).float().cpu()
+    deltas = torch.cat([trainer[i, :len(r.logprobs)] - torch.tensor(r.logprobs) for i, r in enumerate(results)])
+    gap = deltas.abs()
+    outside = (deltas > math.log(1.1)) | (deltas < math.log(0.9))
+    return {"tokens": gap.numel(), "gap_mean": gap.mean().item(), "gap_p95": torch.quantile(gap, 0.95).item(),
+            "gap_max": gap.max().item(), "ratio_outside": outside.float().mean().item(),
+            "bitwise_equal": bool((deltas == 0).all())}
+
+
+def run_logprob_gap(args) -> list[dict]:
+    """Each cb_sync engine at each temperature, on 32 prompts of 16..prompt_len tokens (8 on --tiny)."""
+    model = build_model(lora=True, tiny=args.tiny)
+    count = 8 if args.tiny else 32
+    gen = torch.Generator().manual_seed(7)
+    lengths = torch.randint(min(16, args.prompt_len), args.prompt_len + 1, (count,), generator=gen).tolist()
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     rows = []
-    for engine in order:
-        name = f"{args.name}_{engine}"
-        left = None if stop is None else stop - time.monotonic()
-        if left is not None and left <= 0:
-            rows += _missing_rows(engine, args, [], "not run: the run's --time-limit was used up")
-            continue
-        outcome = run_child(_engine_command(engine, args, name), timeout=left)
-        path = args.out / f"{name}.json"
-        got = [{**row, "process": "own"} for row in json.loads(path.read_text())] if path.is_file() else []
-        rows += got + _missing_rows(engine, args, got, outcome.reason(left), outcome.tail)
-        for suffix in (".json", ".md", ".png"):
-            (args.out / f"{name}{suffix}").unlink(missing_ok=True)
-        write_results(args.name, rows, _table(rows), args.out)
-    plot([row for row in rows if row.get("tok_per_s")], args.out / f"{args.name}.png")
-    print(_table(rows))
+    for temperature in args.temperatures:
+        for engine in (e for e in args.engines if e in CB_MODES):
+            rows.append({"kind": "logprob_gap", "engine": engine, "temperature": temperature, **mode_flags(engine),
+                         **logprob_gap(model, engine, prompts, min(args.new_tokens, 128), temperature)})
+            print(rows[-1], flush=True)
+    write_results(args.name, rows, gap_table(rows), args.out)
     return rows
 
 
-def _engine_command(engine: str, args, name: str) -> list[str]:
-    shared = ["--name", name, "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len",
-              str(args.prompt_len), "--new-tokens", str(args.new_tokens), *(["--tiny"] if args.tiny else [])]
-    if engine in VLLM_ENGINES:
-        return [sys.executable, "-m", "benchmarks.peers_vllm", "--engine", engine, *shared]
-    return [sys.executable, "-m", "benchmarks.throughput", "--engines", engine, *shared, "--no-lora-engines",
-            *[e for e in args.no_lora_engines if e == engine]]
+def gap_table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["temperature", "engine", "tokens", "mean |delta|", "p95", "max", "ratio outside [0.9, 1.1]", "bit-equal"],
+        [[r["temperature"], r["engine"], r["tokens"], f"{r['gap_mean']:.3g}", f"{r['gap_p95']:.3g}",
+          f"{r['gap_max']:.3g}", f"{r['ratio_outside']:.2%}", r["bitwise_equal"]] for r in rows])
 
 
-def _expected(engine: str, args) -> list[tuple[int, bool]]:
-    """(batch, lora) of every row the engine should write."""
-    adapters = [engine != "vllm_nolora"] + ([False] if engine in args.no_lora_engines and engine not in
-                                            VLLM_ENGINES else [])
-    return [(batch, lora) for batch in args.batches for lora in adapters]
+# -- tables -------------------------------------------------------------------------------------------------------
 
-
-def _missing_rows(engine: str, args, got: list[dict], reason: str, tail: list[str] = ()) -> list[dict]:
-    """A row with the reason for every (batch, lora) the engine left out; the engine's own 'failed' line for that
-    batch, where it printed one, is the reason."""
-    have = {(row["batch"], row["lora"]) for row in got}
-    rows = []
-    for batch, lora in _expected(engine, args):
-        if (batch, lora) in have:
-            continue
-        printed = [line for line in tail if line.startswith(f"{engine} batch {batch} failed:")]
-        rows.append({"engine": engine, "model": "qwen3-tiny" if args.tiny else "qwen3-4b-shape", "lora": lora,
-                     "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "process": "own",
-                     "error": printed[-1] if printed else reason})
-    return rows
-
-
-def plot(rows: list[dict], path) -> None:
-    """Tokens per second per engine (with / without LoRA) and batch size, log scale; skipped without matplotlib."""
-    series = sorted({(r["engine"], r["lora"]) for r in rows}, key=lambda s: (s[0] in PEERS, s[0], not s[1]))
-    grouped_bars({f"{engine} ({'LoRA' if lora else 'no adapter'})":
-                  {r["batch"]: r["tok_per_s"] for r in rows if (r["engine"], r["lora"]) == (engine, lora)}
-                  for engine, lora in series}, path,
-                 "Workload T (Qwen3-4B shape, 128-token prompts, 256 new tokens), one run", log_scale=True)
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if a < 10 * b else f"{a / b:.1f}x"
-
-
-def _table(rows):
-    """One line per row; an engine's ratio to every peer of the same run at its batch size and adapter setting
-    (to vllm_nolora whatever its setting); rows that could not run give their error."""
-    measured = [r for r in rows if r.get("tok_per_s")]
-    out = []
+def table(rows: list[dict]) -> str:
+    """A line a row, with its ratio to every peer of the same batch and adapter (vllm_nolora: whatever the row's
+    adapter, the race a GRPO user runs against merged weights); rows that could not run give their error."""
+    peers = [r for r in rows if r.get("tok_per_s") and r["engine"] in PEERS]
+    lines = []
     for row in rows:
         if not row.get("tok_per_s"):
-            out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], "-", "-", "-", "-", "-", "-",
-                        f"could not run: {row.get('error', 'no result')}"])
+            lines.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], *["-"] * 6,
+                          f"could not run: {row.get('error', 'no result')}"])
             continue
-        ratios = []
-        for peer in measured:
-            if peer["engine"] in PEERS and row["engine"] not in PEERS and peer["batch"] == row["batch"] and (
-                    peer["lora"] == row["lora"] or peer["engine"] in CROSS_ADAPTER_PEERS):
-                ratios.append(f"{_ratio(row['tok_per_s'], peer['tok_per_s'])} {peer['engine']}")
-        card = (f"{row['card_held_gib']} / {row['card_reserved_gib']}" if row.get("card_held_gib") is not None
-                else "-")
-        out.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"],
-                    "-" if row.get("peak_gib") is None else row["peak_gib"], card,
-                    "-" if row.get("pct_of_floor") is None else f"{row['pct_of_floor']}%",
-                    row.get("first_call_s", "-"), row.get("engine_start_s", "-"), ", ".join(ratios) or "-"])
+        ratios = [f"{ratio(row['tok_per_s'], p['tok_per_s'])} {p['engine']}" for p in peers
+                  if row["engine"] not in PEERS and p["batch"] == row["batch"]
+                  and (p["lora"] == row["lora"] or p["engine"] == "vllm_nolora")]
+        card = f"{row['card_held_gib']} / {row['card_reserved_gib']}" if row.get("card_held_gib") is not None else "-"
+        lines.append([row["engine"], "yes" if row["lora"] else "no", row["batch"], row["tok_per_s"],
+                      "-" if row.get("peak_gib") is None else row["peak_gib"], card,
+                      "-" if row.get("pct_of_floor") is None else f"{row['pct_of_floor']}%",
+                      row.get("first_call_s", "-"), row.get("engine_start_s", "-"), ", ".join(ratios) or "-"])
     return markdown_table(["engine", "LoRA", "batch", "tok/s", "peak GiB", "card GiB held / reserved", "of floor",
-                           "first call s", "engine start s", "vs peer (same run)"], out)
+                           "first call s", "engine start s", "vs peer (same run)"], lines)
+
+
+def save(rows: list[dict], args) -> None:
+    write_results(args.name, rows, table(rows), args.out)
+    measured_rows = [row for row in rows if row.get("tok_per_s")]
+    series = sorted({(r["engine"], r["lora"]) for r in measured_rows}, key=lambda s: (s[0] in PEERS, s[0], not s[1]))
+    bar_chart({f"{engine} ({'LoRA' if lora else 'no adapter'})":
+               {r["batch"]: r["tok_per_s"] for r in measured_rows if (r["engine"], r["lora"]) == (engine, lora)}
+               for engine, lora in series}, args.out / f"{args.name}.png",
+              "Workload T (Qwen3-4B shape, 128-token prompts, 256 new tokens)", log_scale=True)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=None,
+                        choices=[*CB_MODES, "hf_generate", "hf_generate_static", "transformers_cb", *VLLM_ENGINES])
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 32, 128])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--no-lora-engines", nargs="*", default=[], help="engines that also run without the adapter")
+    parser.add_argument("--isolate", action="store_true", help="each engine in a process of its own")
+    parser.add_argument("--time-limit", type=float, default=None, help="--isolate: seconds for all engines")
+    parser.add_argument("--logprob-gap", action="store_true", help="the generator-vs-trainer gap of cb_sync's modes")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.1])
+    parser.add_argument("--from-json", nargs="+", default=None, metavar="FILE", help="merge these runs' rows")
+    parser.add_argument("--tiny", action="store_true", help="CPU plumbing: tiny model, batches 2 and 4, 8 + 8 tokens")
+    parser.add_argument("--name", default=None, help="result files <out>/<name>.json|md|png")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    args.name = args.name or ("logprob_gap" if args.logprob_gap else "throughput")
+    if args.from_json:
+        rows = read_rows(args.from_json)
+        save(rows, args)
+        return rows
+    if not args.isolate and set(args.engines or []) & set(VLLM_ENGINES):
+        parser.error("vllm and vllm_nolora run with --isolate only (an engine start serves every batch)")
+    if args.engines is None:        # on the CPU transformers' CB spends ~10 s a call starting
+        args.engines = (["cb_sync", "cb_sync_exact"] if args.logprob_gap else ["cb_sync", "hf_generate"] if args.tiny
+                        else list(DEFAULT_ENGINES))
+    if args.tiny:
+        args.batches, args.prompt_len, args.new_tokens = [2, 4], 8, 8
+    if args.logprob_gap:
+        return run_logprob_gap(args)
+    rows = run_isolated(args) if args.isolate else run_in_process(args)
+    save(rows, args)
+    print(table(rows))
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from benchmarks.batch_invariant import padded_batch
+from benchmarks.throughput import padded_batch
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import sdpa_paged
 from cb_sync.batch_invariant import attention as invariant

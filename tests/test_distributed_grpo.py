@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import os
 import socket
 import subprocess
@@ -39,7 +38,7 @@ def build_parts():
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from benchmarks.grpo_workload import make_tokenizer
+    from benchmarks.harness import make_tokenizer
     tokenizer = make_tokenizer(VOCAB)
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -173,7 +172,7 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.slow
 def test_each_rank_generates_its_own_slice(ranks):
-    from benchmarks.grpo_workload import make_tokenizer
+    from benchmarks.harness import make_tokenizer
     tokenizer = make_tokenizer(VOCAB)
     records, _ = ranks
     for rec in records:
@@ -254,25 +253,6 @@ def test_train_mode_and_cache_release_per_rank(ranks):
             assert rollout["train_before"] and rollout["train_restored"]          # ... and after TRL's rollout
             assert call["blocks_after_generate"] > 0                       # the rollout held a cache ...
             assert rollout["blocks_after_rollout"] == 0 and rollout["pools_after_rollout"] == 0   # ... given back
-
-
-@pytest.mark.slow
-def test_benchmark_runs_one_then_two_ranks(tmp_path):
-    """benchmarks.grpo_ddp --tiny: the one-process baseline, then two ranks through accelerate launch."""
-    from benchmarks import grpo_ddp
-    rows = grpo_ddp.main(["--tiny", "--out", str(tmp_path)])
-    assert [r["gpus"] for r in rows] == [1, 2] and all("error" not in r for r in rows), rows
-    for row in rows:
-        assert row["ranks_reported"] == row["gpus"] and row["steps_done"] == 2 and row["same_start"]
-        assert row["step_ms"] > 0 and row["gen_ms"] > 0 and row["completions_per_s"] > 0
-        assert all(math.isfinite(s["loss"]) and s["grad_norm"] > 0 for s in row["per_step"])
-    assert rows[0]["replicas_equal"] is None and rows[1]["replicas_equal"] is True
-    assert rows[1]["scaling"] == pytest.approx(rows[1]["completions_per_s"] / rows[0]["completions_per_s"], rel=1e-3)
-    ranks = grpo_ddp.read_ranks(grpo_ddp.parse_args(["--tiny", "--out", str(tmp_path)]), 2)
-    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["final_fingerprint"] != ranks[0]["init_fingerprint"]
-    saved = json.loads((tmp_path / "grpo_ddp.json").read_text())
-    assert [r["gpus"] for r in saved] == [1, 2] and saved[1]["card"] == "cpu"
-    assert "| 2 | 2/2 |" in (tmp_path / "grpo_ddp.md").read_text()
 
 
 @pytest.mark.parametrize("zero_stage, fsdp_version", [(3, None), (0, 1), (0, 2), (1, None), (2, None)])

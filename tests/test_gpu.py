@@ -183,7 +183,7 @@ def test_a_card_with_less_free_memory_than_the_call_needs_preempts_instead_of_ru
 @pytest.fixture(scope="module")
 def four_b_greedy_run():
     """The Qwen3-4B shape (bf16, LoRA), 32 requests x 128 greedy tokens with logprobs: (model, prompts, results)."""
-    from benchmarks.common import build_model
+    from benchmarks.harness import build_model
     model = build_model(lora=True)
     prompts = torch.randint(0, 151936, (32, 128), generator=torch.Generator().manual_seed(0)).tolist()
     results = SyncCBDriver(model, CBConfig(max_batch_size=32, max_batch_tokens=4096)).generate(
@@ -279,8 +279,8 @@ def test_batch_invariant_mode_on_the_4b_shape():
     """Qwen3-4B shape + LoRA r32, bf16, CBConfig(batch_invariant=True): a seeded request gives the same tokens and
     logprobs alone and inside a batch of 31 others (chunked prefill, replayed decode graphs), bit for bit, and a
     train-mode full-sequence forward of the batch (left-padded) gives the generator's logprobs bit for bit."""
-    from benchmarks.batch_invariant import padded_batch
-    from benchmarks.common import build_model
+    from benchmarks.throughput import padded_batch
+    from benchmarks.harness import build_model
     from cb_sync.batch_invariant.trainer import invariant_logits, invariant_logprobs
 
     model = build_model(lora=True)

@@ -1,5 +1,6 @@
 """Workload L's benchmark on the CPU (tiny Qwen3): its rows, preemptions under a KV cap with no request lost, the
-per-context step times and the merge of several calls' rows."""
+per-context step times, the merge of several runs' rows, and the KV cap's predicted cost (the real Scheduler replayed:
+no preemption where the cap holds the batch, preemptions, recomputed tokens and a slower clock where it does not)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import long_rollouts, throughput
-from benchmarks.common import build_model, exit_code
+from benchmarks import harness, long_rollouts, throughput
+from benchmarks.harness import KV_BYTES_PER_TOKEN, build_model, exit_code
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_a_row_per_batch(tmp_path):
     rows = long_rollouts.main(["--tiny", "--out", str(tmp_path)])
     assert [(r["engine"], r["batch"]) for r in rows] == [("cb_sync_compiled", 2), ("cb_sync_compiled", 3)]
@@ -22,6 +24,7 @@ def test_tiny_run_writes_a_row_per_batch(tmp_path):
     assert json.loads((tmp_path / "long_rollouts.json").read_text())[0]["batch"] == 2
 
 
+@pytest.mark.slow
 def test_a_kv_cap_below_the_batch_preempts_and_loses_no_request(tmp_path):
     """One driver serves a cap that holds the batch (no preemption), then a cap of 5 blocks of 16 tokens (the cache
     released and allocated again within it), where 3 requests of 48 tokens (3 blocks each) are preempted and
@@ -81,8 +84,8 @@ def test_merge_keeps_measured_rows_and_drops_errors_measured_elsewhere(tmp_path)
         paths[-1].write_text(json.dumps([{**r, "lora": True, "seconds": 1, "peak_gib": 1} for r in rows]))
     merged = long_rollouts.main(["--from-json", *map(str, paths), "--name", "m", "--out", str(tmp_path)])
     assert [(r["batch"], r["tok_per_s"]) for r in merged] == [(8, 10.0), (64, 30.0)]
-    caption, blank, *table = (tmp_path / "m.md").read_text().splitlines()
-    assert caption.endswith("1,024-token prompts, 8,192 new tokens), NVIDIA H200") and not blank
+    caption, blank, *table, _, card = (tmp_path / "m.md").read_text().splitlines()
+    assert caption.endswith("1,024-token prompts, 8,192 new tokens)") and not blank and card.startswith("Card: ")
     assert len(table) == 4                                              # header, rule, a row a batch
 
 
@@ -96,6 +99,7 @@ def test_merge_keeps_a_row_for_each_attention_backend_and_labels_it(tmp_path):
     assert "| cb_sync_compiled flash_prefill |" in (tmp_path / "m.md").read_text()
 
 
+@pytest.mark.slow
 def test_hf_generate_rows_and_the_ratio_to_them(tmp_path):
     rows = long_rollouts.main(["--tiny", "--engines", "cb_sync", "hf_generate", "--out", str(tmp_path)])
     assert {(r["engine"], r["batch"]) for r in rows if r.get("tok_per_s")} == {
@@ -122,6 +126,7 @@ def test_rows_of_other_completion_lengths_stay_apart(tmp_path):
     assert exit_code(merged) == 0 and exit_code([row("vllm", 8192)]) == 1
 
 
+@pytest.mark.slow
 def test_the_static_cache_warm_up_call_stops_early_at_the_timed_calls_cache_length(monkeypatch):
     """HF `generate` with a static cache: the first (compiling) call keeps max_new_tokens, so the cache length and
     the compiled shapes of the timed call, but stops after warmup_tokens; the timed call decodes them all."""
@@ -136,7 +141,7 @@ def test_the_static_cache_warm_up_call_stops_early_at_the_timed_calls_cache_leng
 
 def test_the_step_clock_times_hf_generate_by_length_and_stops_it_at_its_deadline():
     model = build_model(lora=True, tiny=True, device="cpu", dtype=torch.float32)
-    prompts = throughput.make_prompts(model.config.vocab_size, [2], 8)[2]
+    prompts = harness.random_prompts(model.config.vocab_size, [2], 8)[2]
     clock = throughput.HFStepClock(time.monotonic() + 600)
     throughput.run_hf_generate(model, prompts, 12, clock=clock)
     assert sorted(clock.ends) == list(range(9, 21))              # every new token, by sequence length
@@ -194,24 +199,74 @@ def test_contexts_a_call_never_decoded_at_read_as_a_dash_and_cb_sync_shows_its_w
                                  "warmup_s": 85.1, "gpu": "NVIDIA H100 80GB HBM3"}]))
     long_rollouts.main(["--from-json", str(path), "--name", "m", "--out", str(tmp_path)])
     lines = (tmp_path / "m.md").read_text().splitlines()
-    assert lines[0] == ("Workload L (Qwen3-4B shape + LoRA r32, 8,192-token prompts, 1,024 new tokens), "
-                        "NVIDIA H100 80GB HBM3")
+    assert lines[0] == "Workload L (Qwen3-4B shape + LoRA r32, 8,192-token prompts, 1,024 new tokens)"
     cells = [c.strip() for c in lines[4].split("|")]
     assert cells[7] == "- / - / 17.5 / -" and cells[12] == "85.1", cells
 
 
 def test_gpu_state_reads_the_card_name(monkeypatch):
-    from benchmarks import common
     out = "NVIDIA H100 80GB HBM3, 41, 1980, 120.5\n"
-    monkeypatch.setattr(common.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
-    assert common.gpu_state() == {"gpu": "NVIDIA H100 80GB HBM3", "gpu_c": 41.0, "sm_mhz": 1980.0, "gpu_w": 120.5}
+    monkeypatch.setattr(harness.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
+    assert harness.gpu_state() == {"gpu": "NVIDIA H100 80GB HBM3", "gpu_c": 41.0, "sm_mhz": 1980.0, "gpu_w": 120.5}
 
 
-def test_engine_commands_carry_the_backend_and_an_hf_process_its_end():
-    args = SimpleNamespace(out="o", batches=[8], prompt_len=1024, new_tokens=8192, sampler="greedy", tiny=False,
-                           max_cache_gib=[96.0], attn_backend="flash_prefill")
-    cb = long_rollouts._engine_command("cb_sync_compiled", args, "n", 1000.0)
+def test_engine_commands_carry_the_backend_and_an_hf_process_its_end(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(long_rollouts, "run_engines", lambda engines, command, expected, *a: seen.update(
+        engines=engines, command=command, expected=expected) or [])
+    long_rollouts.main(["--engines", "vllm", "cb_sync_compiled", "hf_generate", "--attn-backend", "flash_prefill",
+                        "--time-limit", "100", "--out", str(tmp_path)])
+    assert seen["engines"] == ["cb_sync_compiled", "hf_generate", "vllm"]            # vLLM last
+    cb = seen["command"]("cb_sync_compiled", "n", 1000.0)
     assert cb[cb.index("--attn-backend") + 1] == "flash_prefill" and "--stop-at" not in cb
-    hf = long_rollouts._engine_command("hf_generate", args, "n", 1000.0)
-    assert hf[hf.index("--stop-at") + 1] == f"{1000.0 - long_rollouts.HF_EXIT_MARGIN_S:.1f}"
-    assert "--stop-at" not in long_rollouts._engine_command("hf_generate", args, "n", None)
+    start = time.time()
+    hf = seen["command"]("hf_generate", "n", 1000.0)
+    assert 0 <= float(hf[hf.index("--stop-at") + 1]) - (start + 1000.0 - long_rollouts.HF_EXIT_MARGIN_S) < 5
+    assert "--stop-at" not in seen["command"]("hf_generate", "n", None)
+    vllm = seen["command"]("vllm", "n", 1000.0)
+    assert vllm[2:6] == ["benchmarks.peers", "vllm", "--engine", "vllm"] and "L" in vllm
+    assert [(r["max_cache_gib"], r["batch"]) for r in seen["expected"]("cb_sync_compiled")] == [
+        (96.0, 8), (96.0, 32), (96.0, 64)]
+
+
+# -- a KV cap's predicted cost ------------------------------------------------------------------------------------
+
+def _gib(blocks: int) -> float:
+    return blocks * long_rollouts.BLOCK_SIZE * KV_BYTES_PER_TOKEN / 2**30
+
+
+def test_a_cap_below_the_batch_preempts_recomputes_and_costs_time():
+    roomy, tight = (long_rollouts.replay(3, 8, 40, _gib(blocks), 64) for blocks in (9, 5))
+    assert (roomy["steps"], roomy["preemptions"], roomy["recomputed_tokens"]) == (40, 0, 0)
+    assert tight["preemptions"] > 0 and tight["recomputed_tokens"] > 0
+    assert tight["steps"] > roomy["steps"] and tight["tok_per_s"] < roomy["tok_per_s"]
+    kinds, by_batch = roomy["seconds_by_kind"], roomy["decode_by_batch"]   # read to read: the first step uncounted
+    assert kinds["replay decode"][0] == 39 and sum(n for n, _, _, _ in by_batch.values()) == 39
+    assert abs(sum(s for _, s in kinds.values()) - sum(s for _, s, _, _ in by_batch.values())) < 1e-2
+    assert set(by_batch) == {"2-3"} and "1" in tight["decode_by_batch"]       # preempted down to one request
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        long_rollouts.replay(2, 8, 40, _gib(2), 64)
+
+
+def test_a_clock_fitted_to_measured_steps_prices_the_replay(tmp_path):
+    """Three uncapped rows' steps on a plane ms = a + b x requests + c x KV GB give that plane back, and the replay
+    runs on it; capped rows and other engines are not fitted."""
+    kv_gb = lambda batch, context: batch * context * KV_BYTES_PER_TOKEN / 1e9     # noqa: E731
+    plane = lambda batch, context: 2.0 + 0.05 * batch + 0.3 * kv_gb(batch, context)   # noqa: E731
+    rows = [{"engine": "cb_sync_compiled", "batch": b, "tok_per_s": 1.0, "preemptions": 0,
+             **{f"ms_step_{c}": plane(b, c) for c in (1024, 4096)}} for b in (8, 32)]
+    rows += [{"engine": "cb_sync_compiled", "batch": 64, "tok_per_s": 1.0, "preemptions": 5, "ms_step_1024": 99.0},
+             {"engine": "vllm", "batch": 64, "tok_per_s": 1.0, "ms_step_1024": 99.0}]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(rows))
+    clock, coefficients = long_rollouts.fitted_clock(path)
+    assert coefficients == pytest.approx((2.0, 0.05, 0.3), abs=1e-4)
+    assert clock([4096] * 16) == pytest.approx(plane(16, 4096))
+    assert clock([4096, 1024, 10]) == pytest.approx(plane(3, 4096))     # the longest context sets the KV term
+    assert long_rollouts.replay(3, 8, 40, _gib(9), 64, lambda contexts: 1000.0)["seconds"] == 40.0
+    rows = long_rollouts.main(["--predict-caps", "1", str(_gib(5)), "--batches", "3", "--prompt-len", "8",
+                               "--new-tokens", "40", "--step-times", str(path), "--out", str(tmp_path)])
+    assert rows[0]["of_best"] == 1.0 > rows[1]["of_best"] and "x KV GB" in rows[0]["clock"]
+    path.write_text(json.dumps(rows[2:]))
+    with pytest.raises(ValueError, match="at least 3 needed"):
+        long_rollouts.fitted_clock(path)

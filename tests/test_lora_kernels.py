@@ -414,14 +414,3 @@ def test_inputs_that_want_gradients_and_fp64_keep_peft_forward(spy):
             model.double()
             inner.q_proj(torch.randn(3, 64, device=DEVICE, dtype=torch.float64))
     assert spy == []
-
-
-def test_layer_probe_variants_set_a_tuning_and_restore_the_launch_mode():
-    """`benchmarks.lora_layers` variants ("kernels:name=V,PDL=0") give a tuning; PDL=0 turns programmatic dependent
-    launch off only inside their block."""
-    from benchmarks.lora_layers import _variant
-    pdl = kernels._pdl
-    with _variant(kernels, "expand_block_n=32,summed_base_block_n=32,PDL=0") as tuning:
-        assert tuning == LoraTuning(expand_block_n=32, summed_base_block_n=32)
-        assert not kernels._pdl(torch.device(DEVICE))
-    assert kernels._pdl is pdl
