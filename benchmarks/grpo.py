@@ -44,6 +44,7 @@ import math
 import os
 import random
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -487,6 +488,7 @@ def run_ranks(backend: str, ranks: int, args, row: dict, deadline: float | None)
     outcome = run_child([*launcher, *child_argv(args, backend, left), "--ranks-dir", str(ranks_dir)],
                         None if left is None else left + 240, env=env)
     got = [json.loads(p.read_text()) for p in sorted(ranks_dir.glob("rank*.json"))]
+    shutil.rmtree(ranks_dir, ignore_errors=True)
     row.update(merge_ranks(got) if got else {"error": outcome.reason(left)})
     row["ranks"] = ranks
 
