@@ -1,4 +1,4 @@
-"""compiled_layers: the trained model's decoder layers compiled for a training step, eager for its rollouts."""
+"""training_step_compile: the trained model's decoder layers compiled for a training step, eager for its rollouts."""
 
 from __future__ import annotations
 

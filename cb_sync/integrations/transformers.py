@@ -97,7 +97,15 @@ def enable(model: torch.nn.Module, config: CBConfig | None = None) -> torch.nn.M
     On a PEFT model the method is installed both on the PeftModel and on its base model (what TRL reaches through
     `unwrap_model`), sharing one driver that runs the PeftModel. A plain model that is later wrapped by PEFT keeps
     working: the wrapper forwards `generate_batch` to the base model, whose modules carry the LoRA layers.
-    Calling enable() again replaces the config (and the driver). Returns the model."""
+    Calling enable() again replaces the config (and the driver).
+
+    Args:
+        model: a transformers causal LM, or a PEFT model of one.
+        config: the driver's engine settings (CBConfig()); the driver is built at the first call.
+
+    Returns:
+        The same model.
+    """
     config = config if config is not None else CBConfig()
     if not isinstance(config, CBConfig):
         raise ValueError(f"config must be a CBConfig, got {type(config).__name__}")
@@ -114,7 +122,14 @@ def enable(model: torch.nn.Module, config: CBConfig | None = None) -> torch.nn.M
 
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:
-    """Remove what enable() installed, free the driver's KV cache, and restore what was there before."""
+    """Remove what enable() installed, free the driver's KV cache and graphs, and restore what was there before.
+
+    Args:
+        model: a model passed to enable() (or its base model); any other is left as it is.
+
+    Returns:
+        The same model.
+    """
     state = model.__dict__.get(_STATE)
     if state is None:
         return model
@@ -130,12 +145,29 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_enabled(model: torch.nn.Module) -> bool:
-    """Whether enable() has routed this model's generate_batch to cb_sync (and disable() has not undone it)."""
+    """Whether enable() has routed this model's generate_batch to cb_sync (and disable() has not undone it).
+
+    Args:
+        model: any module.
+
+    Returns:
+        True where `model.generate_batch` runs on cb_sync.
+    """
     return _STATE in model.__dict__
 
 
 def get_driver(model: torch.nn.Module) -> SyncCBDriver:
-    """The driver behind an enabled model's generate_batch (built now if no call has built it yet)."""
+    """The driver behind an enabled model's generate_batch (built now if no call has built it yet).
+
+    Args:
+        model: a model passed to enable().
+
+    Returns:
+        Its SyncCBDriver.
+
+    Raises:
+        ValueError: cb_sync is not enabled on the model.
+    """
     state = model.__dict__.get(_STATE)
     if state is None:
         raise ValueError("cb_sync is not enabled on this model: call cb_sync.integrations.transformers.enable(model)")
@@ -147,9 +179,20 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
                     warmup: bool = True, **kwargs) -> dict:
     """Generate for a batch of prompts with cb_sync (drop-in for transformers' `generate_batch`).
 
-    Extra keyword arguments: GenerationConfig field names (override `generation_config`), `return_logprobs`
-    (bool) and `seed` (int: one seed for the call, each request derives its own). Anything else raises ValueError.
-    `warmup` is accepted and ignored (graphs are captured on first use). Returns {"req_i": GenerationOutput}."""
+    Args:
+        inputs: the prompts' token ids.
+        generation_config: read as `model.generate()` reads it (see the module's docstring).
+        continuous_batching_config: only its `return_logprobs` and `seed` are used.
+        record_timestamps: must be False (cb_sync records no per-token timestamps).
+        progress_bar: show the driver's progress bar.
+        persistent_manager: keep the KV cache after the call (False: released, the decode graphs kept).
+        warmup: accepted and ignored (graphs are captured on first use).
+        **kwargs: GenerationConfig field names (override `generation_config`), `return_logprobs` (bool) and `seed`
+            (int: one seed for the call, each request derives its own). Anything else raises ValueError.
+
+    Returns:
+        {"req_i": GenerationOutput} in input order, each with cb_sync's `finish_reason` ("eos", "length", "stop").
+    """
     prompts = prompt_rows(inputs)
     if not prompts:
         return {}
@@ -187,10 +230,20 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
 
 def sampling_params_from_generation_config(model, generation_config=None, prompts: list[list[int]] | None = None,
                                            logprobs: bool = False, **overrides) -> list[SamplingParams]:
-    """One SamplingParams per prompt from a GenerationConfig resolved as `model.generate()` resolves it, `overrides`
-    (GenerationConfig fields) set last, as generate()'s keyword arguments; ValueError for any field that would change
-    the result and that cb_sync cannot honour. Seeds are left unset (`SyncCBDriver.generate(seed=...)` derives one
-    per request)."""
+    """SamplingParams from a GenerationConfig resolved as `model.generate()` resolves it; ValueError for any field
+    that would change the result and that cb_sync cannot honour. Seeds are left unset (`SyncCBDriver.generate(seed=)`
+    derives one per request).
+
+    Args:
+        model: the model whose `generation_config` fills the fields left None.
+        generation_config: a transformers GenerationConfig (None: an empty one).
+        prompts: the prompts' token ids, which `max_length` counts (None: one empty prompt).
+        logprobs: whether the completions carry their tokens' logprobs.
+        **overrides: GenerationConfig fields set last, as generate()'s keyword arguments.
+
+    Returns:
+        One SamplingParams per prompt.
+    """
     prompts = prompts if prompts is not None else [[]]
     cfg = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     if not isinstance(cfg, GenerationConfig):

@@ -1,11 +1,9 @@
 """cuDNN attention's run-time kernel builds, done at a forward's first use instead of in the middle of training.
 
 On Hopper, PyTorch's SDPA takes cuDNN attention, which builds kernels at run time the first time it meets a kind of
-call. On an H200 (`benchmarks/results/sdpa_kinds.md`): a new sequence length costs a plan, 40-140 ms, while the first
-length of a new kind costs ~0.7-1 s without gradients and ~1.7-1.9 s with a backward; lengths that are a multiple of
-128 are one kind and the others another, and calls with a padding mask, or with gradients, are kinds of their own. In a
-GRPO run whose forwards are 639-643 tokens wide, the first multiple of 128 came at step 8 and cost 2.3 s more than its
-neighbours (`benchmarks/results/grpo_training_g.md`).
+call: lengths that are a multiple of 128 are one kind and the others another, and calls with a padding mask, or with
+gradients, are kinds of their own. A new sequence length of a known kind costs a plan, a new kind a build that costs
+far more; met mid-run, such a build stalls the step it falls in.
 
 Before the trainer's first forward of each variety (with or without gradients, with or without padding),
 `AttentionWarmup` runs that variety at one length of each kind (`warm_attention`), so every build the variety will

@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 
 from ...batch_invariant.ops import check_model
-from ...batch_invariant.trainer import invariant_logits, invariant_logprobs, invariant_training
+from ...batch_invariant.trainer import (
+    invariant_logits,
+    invariant_logprobs,
+    invariant_training,
+)
 from ...config import CBConfig
 from ...model_patching.swaps import base_model, module_list
+
 
 def check_training(model: torch.nn.Module) -> None:
     """ValueError where the training forward cannot match the rollout's: a layer the exact mode does not cover

@@ -1,10 +1,11 @@
-"""GRPO forwards with less padding. TRL pads a whole generation batch to its longest prompt and its longest completion,
-then cuts it into micro-batches, so every forward of the loss is as wide as the longest sequence of the rollout (with
-lengths as varied as GRPO's, about twice the real tokens). `by_length` regroups the rows so that each micro-batch holds
+"""GRPO forwards with less padding (`group_by_length`). TRL pads a whole generation batch to its longest prompt and its
+longest completion, then cuts it into micro-batches, so every forward of the loss is as wide as the longest sequence
+of the rollout, most of it padding where lengths vary. `by_length` regroups the rows so that each micro-batch holds
 completions of similar lengths; `padding_columns` finds the columns of one forward's rows that are padding in all of
 them, which the forward can then skip; `left_padded` widens what is left to a multiple of WIDTH_MULTIPLE columns,
 `right_extended` a forward without padding to a multiple of UNMASKED_WIDTH_MULTIPLE; `clear_of_faulty_width` widens a
-forward of TRL's own whose width meets a cuDNN attention fault."""
+forward of TRL's own whose width meets a cuDNN attention fault. `length_groups_wanted` decides whether a trainer
+groups at all."""
 
 from __future__ import annotations
 
@@ -13,21 +14,19 @@ import torch
 from ...engine.validation import learned_position_limit
 
 # Forwards are widened to a multiple of this many columns: cuDNN attention (PyTorch's SDPA choice on Hopper) builds a
-# plan for every new sequence length (36-104 ms on an H200, `benchmarks/results/sdpa_first_use.md`), and micro-batches
-# trimmed to their rows would have a new width almost every time; 128 columns add ~64 padding tokens a row on average.
-# Not 64: see FAULTY_WIDTH.
+# plan for every new sequence length, and micro-batches trimmed to their rows would have a new width almost every
+# time; 128 columns add about 64 padding tokens a row on average. Not 64: see FAULTY_WIDTH.
 WIDTH_MULTIPLE = 128
 
 # Forwards without padding (every row as long) are widened on the right, with columns their causal attention keeps
-# out of the real ones, to a multiple of this many: a run whose rows are all as long (fixed-length completions) meets
-# a new width, and cuDNN attention's plans for it, every few steps otherwise. Unmasked widths have no fault; 32 columns
-# cost ~16 tokens a row on average.
+# out of the real ones, to a multiple of this many: a run whose rows are all as long (fixed-length completions) would
+# otherwise meet a new width, and cuDNN attention's plans for it, every few steps. Unmasked widths have no fault; 32
+# columns cost about 16 tokens a row on average.
 UNMASKED_WIDTH_MULTIPLE = 32
 
-# With a mask, cuDNN attention's backward returns NaN query gradients at widths of 64 past a multiple of 128 for rows
-# whose logsumexp is below ~-88.7, which fully masked (left-padding) rows are (pytorch/pytorch#196678; seen on torch
-# 2.11 and avoided on every version).
-# Workload G2 at 4B, its forwards widened to multiples of 64, had NaN gradients from its first step on an H200.
+# With a mask, cuDNN attention's backward can return NaN query gradients at widths of 64 past a multiple of 128 for
+# rows whose logsumexp underflows fp32 (below about -88.7), which fully masked (left-padding) rows do
+# (pytorch/pytorch#196678). These widths are avoided on every torch version.
 FAULTY_WIDTH = (128, 64)        # width % 128 == 64
 
 

@@ -2,11 +2,10 @@
 
 PEFT keeps adapter weights in fp32 and casts each LoRA layer's input to fp32 before the adapter's matmuls; under
 autocast to bf16 or fp16 the matmul casts it straight back. Every bf16 or fp16 number is an fp32 number, so the round
-trip changes no value, forward or backward, but it costs two copies of the input per layer and forward (the LoRA
-layers' inputs of a 4B model over a 2.5k-token micro-batch: ~13-50 MB each, 7 layers x 36) and two more casts in the
-backward. `input_casts(model, False)` skips the cast in layers where that holds: plain LoRA (no DoRA or other variant)
-without dropout, whose dropout would otherwise compute in the input's dtype. Only for forwards under autocast: without
-it a bf16 input would meet fp32 weights."""
+trip changes no value, forward or backward, but it costs two copies of the input per layer and forward, and two more
+casts in the backward. `input_casts(model, False)` skips the cast in layers where that holds: plain LoRA (no DoRA or
+other variant) without dropout, whose dropout would otherwise compute in the input's dtype. Only for forwards under
+autocast: without it a bf16 input would meet fp32 weights."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""The trained model's decoder layers compiled one by one (regional compilation) for a training step's forwards.
+"""The training step's decoder layers compiled one by one (regional compilation), for CBSyncGRPOTrainer's
+`compile_layers=True`. (The rollouts' compiled decode step is the runner's own, `cb_sync.runner.compiled`.)
 
-A training step's forwards and backward are host-bound at small batches: a 4B model's eager step issues ~16k kernels,
-most of them elementwise (RMSNorm in fp32, rotary, residual adds, SiLU, LoRA's scaling and adds). `torch.compile` of
-each decoder layer's call fuses them. The layers of one class share one code object, so they share its compiled
-graphs: one compile per variety of call (gradients or none, padding or none, adapter on or off), reused by every
-layer, instead of the whole model's compile, which at 4B takes minutes per variety. Shapes are dynamic from the
-first call, so new widths do not recompile. Without dropout the values are those of the fused kernels: equal to eager
+A training step's forwards and backward are host-bound at small batches: an eager step issues many kernels, most of
+them elementwise (RMSNorm in fp32, rotary, residual adds, SiLU, LoRA's scaling and adds). `torch.compile` of each
+decoder layer's call fuses them. The layers of one class share one code object, so they share its compiled graphs:
+one compile per variety of call (gradients or none, padding or none, adapter on or off), reused by every layer,
+instead of the whole model's compile, which takes far longer per variety. Shapes are dynamic from the first call, so
+new widths do not recompile. Without dropout the values are those of the fused kernels: equal to eager
 ones up to rounding, not bit for bit (with dropout, other random draws).
 
 `CompiledLayers.switched(model, on)` sets each layer's compiled call (on) or none (off) for a block and restores what
