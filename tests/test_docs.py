@@ -62,11 +62,20 @@ def test_readme_is_a_short_page_for_users():
         assert not LAB_NOTEBOOK.findall(doc.read_text()), doc.name
 
 
-def test_links_in_the_docs_lead_to_files():
+def test_links_and_cited_result_files_lead_to_files():
     for doc in USER_DOCS:
-        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
             if "://" not in target:
                 assert (doc.parent / target).exists(), f"{doc.name}: {target}"
+        for cited in re.findall(r"`(benchmarks/results/[^`]+)`", text):
+            assert (ROOT / cited).exists(), f"{doc.name}: {cited}"
+
+
+def test_the_architecture_file_map_lists_every_module():
+    listed = set(re.findall(r"`(cb_sync/[\w/]+\.py)`", (ROOT / "docs" / "architecture.md").read_text()))
+    modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "cb_sync").rglob("*.py")}
+    assert listed == modules, {"not listed": sorted(modules - listed), "gone": sorted(listed - modules)}
 
 
 def test_install_commands_take_everything_from_pypi_and_ci_runs_the_test_command():
