@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from benchmarks.harness import markdown_table
+from benchmarks.harness import markdown_table, pyplot
 
 REFERENCE = "trl_generate"
 LOGGED = {  # row key -> key in TRL's logs
@@ -340,15 +340,9 @@ def weight_sync_line(check: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Step time, peak memory and KL per step, a line a backend; skipped without matplotlib."""
-    ran = [r for r in rows if r.get("per_step")]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    if not ran:
+    """Step time, peak memory and KL per step, a line a backend."""
+    ran, plt = [r for r in rows if r.get("per_step")], pyplot()
+    if not ran or plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (key, title) in zip(axes, [("step_s", "step time (s)"), ("peak_gib", "peak GPU memory (GiB)"),

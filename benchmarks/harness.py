@@ -280,14 +280,21 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if a < 10 * b else f"{a / b:.1f}x"
 
 
-def bar_chart(series: dict[str, dict[int, float]], path: Path, title: str, log_scale: bool = False) -> None:
-    """Generated tokens / s: a group a batch size, a bar a series (label -> {batch: tok/s}); skipped without
-    matplotlib."""
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None where matplotlib is not installed (plots are then skipped)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def bar_chart(series: dict[str, dict[int, float]], path: Path, title: str, log_scale: bool = False) -> None:
+    """Generated tokens / s: a group a batch size, a bar a series (label -> {batch: tok/s})."""
+    plt = pyplot()
+    if plt is None:
         return
     batches = sorted({batch for values in series.values() for batch in values})
     width = 0.8 / max(len(series), 1)

@@ -92,8 +92,9 @@ def test_tiny_g2_eos_live(tmp_path):
 
 @pytest.mark.slow
 def test_synthetic_rollouts_give_every_run_the_same_completions(tmp_path):
-    """The training half alone: grouped and TRL's micro-batches train on the same completions, the grouped
-    forwards are narrower."""
+    """The training half alone: grouped and TRL's micro-batches train on the same completions; TRL pads a whole
+    rollout to one width, the grouped forwards have widths of their own, widened to WIDTH_MULTIPLE columns."""
+    from cb_sync.integrations.trl.length_groups import WIDTH_MULTIPLE
     runs = [grpo.main(["--tiny", "--workload", "G2", "--backends", "cb_sync", "--synthetic-rollouts",
                        "--cb-group-by-length", group, "--name", group, "--out", str(tmp_path)])[0]
             for group in ("on", "off")]
@@ -101,7 +102,8 @@ def test_synthetic_rollouts_give_every_run_the_same_completions(tmp_path):
     lengths = [[s["completion_lens"] for s in r["per_step"]] for r in runs]
     assert lengths[0] == lengths[1] and len(lengths[0][0]) == 8
     assert runs[0]["cb_group_by_length"] and runs[1]["cb_group_by_length"] is False
-    assert sum(s["forward_tokens"] for s in runs[0]["per_step"]) < sum(s["forward_tokens"] for s in runs[1]["per_step"])
+    assert any(w % WIDTH_MULTIPLE == 0 for s in runs[0]["per_step"] for w in s["forward_widths"])
+    assert all(len(s["forward_widths"]) == 1 for s in runs[1]["per_step"])
 
 
 @pytest.mark.slow
