@@ -86,8 +86,8 @@ class CBConfig:
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded (HF semantics: temperature, then top-k, top-p, min-p). Validated on construction,
-    and again by generate() (a field may have changed since).
+    """How one request is decoded. Validated on construction, and again by generate() (a field may have changed
+    since).
 
     Args (defaults in brackets):
         max_new_tokens [256]: most tokens to generate.
@@ -101,9 +101,20 @@ class SamplingParams:
         eos_token_id [None]: int, or list of ints (empty: no EOS); None takes the model's generation config at call
             time.
         stop_token_ids [[]]: extra tokens that end the request with finish_reason "stop".
-        logprobs [False]: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy).
+        logprobs [False]: return log_softmax(logits / temperature) of each chosen token (raw log_softmax when greedy):
+            of the model's logits over the whole vocabulary, before penalties, masks and filters (what a trainer
+            recomputes from the same model; transformers' continuous batching renormalises after its filters).
+        repetition_penalty [1.0]: HF's, over the prompt and the output: the logit l of a token seen so far becomes
+            l / p where l > 0, else l * p; > 0, 1 is off.
+        frequency_penalty [0.0], presence_penalty [0.0]: vLLM's (and OpenAI's), over the output only: a token's logit
+            loses frequency_penalty times its count there, and presence_penalty if it is there at all; 0 is off.
+        min_new_tokens [0]: the EOS and stop tokens cannot be chosen before this many tokens were generated, as
+            vLLM's min_tokens (HF's min_new_tokens masks EOS only); 0 is off.
+        suppress_tokens [[]]: token ids never chosen.
 
-    temperature, top_k, top_p and min_p apply when do_sample.
+    temperature, top_k, top_p and min_p apply when do_sample. The logits are processed in HF generate's order:
+    repetition penalty, then frequency and presence penalties (where vLLM applies them: before temperature), the masks
+    of min_new_tokens and suppress_tokens, temperature, top-k, top-p, min-p; a draw or the argmax picks the token.
 
     Raises:
         ValueError: a field of the wrong type or out of range, naming it and the value.
@@ -119,6 +130,11 @@ class SamplingParams:
     eos_token_id: int | list[int] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    suppress_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.max_new_tokens = _positive("max_new_tokens", self.max_new_tokens)
@@ -139,6 +155,23 @@ class SamplingParams:
         if self.eos_token_id is not None:
             self.eos_token_id = _token_ids("eos_token_id", self.eos_token_id)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, allow_single=False)
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        if not (_real(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                             f"{self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not (_real(getattr(self, name)) and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number (0 = off), got {getattr(self, name)!r}")
+        min_new = as_int(self.min_new_tokens)
+        if min_new is None or not 0 <= min_new <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got "
+                             f"{self.min_new_tokens!r}")
+        self.min_new_tokens = min_new
+        self.repetition_penalty = float(self.repetition_penalty)
+        self.frequency_penalty, self.presence_penalty = float(self.frequency_penalty), float(self.presence_penalty)
+        self.suppress_tokens = _token_ids("suppress_tokens", self.suppress_tokens, allow_single=False)
 
     @property
     def filtered(self) -> bool:

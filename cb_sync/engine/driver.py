@@ -183,9 +183,8 @@ class SyncCBDriver:
             bar = call.enter_context(tqdm(total=sum(r.params.max_new_tokens for r in requests), unit="tok",
                                           desc="cb_sync", disable=not (sys.stderr.isatty() if show is None else show)))
             self.cache.ensure(num_blocks)
-            if self.runner.replay is not None:
-                self.runner.replay.begin_call(max(blocks_for(r.max_positions, cfg.block_size) for r in requests),
-                                              modules)
+            self.runner.begin_call(requests, max(blocks_for(r.max_positions, cfg.block_size) for r in requests),
+                                   modules)
             self._run(requests, bar)
 
     def _note_preemptions(self, requests: list[Request], limit: str) -> None:
@@ -219,7 +218,8 @@ class SyncCBDriver:
             keep_graphs: keep the captured decode graphs (their memory: one decode step's activations per bucket, in
                 one pool). They are replayed again over the new cache: the Triton backend's decode reaches the pools
                 through a table of where they lie (`PagedKVCache.pool_offsets`), wherever they land; other backends'
-                graphs only where the pools come back at the same addresses, else they are captured again.
+                graphs only where the pools come back at the same addresses, else they are captured again. Kept
+                graphs keep the token ids that penalties read (8 bytes a cache slot, `sampling.penalties.TokenHistory`).
 
         Raises:
             RuntimeError: a call on the same model is running on this thread already.
@@ -229,8 +229,7 @@ class SyncCBDriver:
 
     def _release(self, keep_graphs: bool) -> None:
         self.cache.release()
-        if self.runner.replay is not None and not keep_graphs:
-            self.runner.replay.graphs.release()
+        self.runner.release(keep_graphs)
 
     def _run(self, requests: list[Request], bar: tqdm) -> None:
         """Steps until every request has finished: a plain step, or a launch-ahead step where the step before was

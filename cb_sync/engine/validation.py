@@ -51,6 +51,9 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
                 p.__post_init__()
             except ValueError as error:
                 raise ValueError(f"request {index}: {error}") from None
+            outside = [t for t in p.suppress_tokens if t >= vocab_size]
+            if outside:
+                raise ValueError(f"request {index}: suppress_tokens {outside} are not ids in [0, {vocab_size})")
     prompts = [_check_prompt(index, prompt, vocab_size) for index, prompt in enumerate(rows)]
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     seeds = iter(torch.randint(0, 2**62, (sum(p.seed is None for p in params),), generator=generator).tolist())

@@ -1,8 +1,8 @@
 """Pure-decode steps as CUDA graphs, captured and replayed in one place: which batch sizes get a graph (buckets), one
-graph per key (a bucket and a sampler kind) in one memory pool, dropped whenever what they recorded changes; the
-static buffers they run over; replays launched without waiting for their tokens, where a step launched after another
-whose tokens are not read yet takes them on the device and is launched again if that step is redone after a top-k
-tie (`ReplayOutput`)."""
+graph per key (a bucket, a sampler kind, and the penalty kind of calls that use penalties) in one memory pool,
+dropped whenever what they recorded changes; the static buffers they run over; replays launched without waiting for
+their tokens, where a step launched after another whose tokens are not read yet takes them on the device and is
+launched again if that step is redone after a top-k tie (`ReplayOutput`)."""
 
 from __future__ import annotations
 
@@ -107,20 +107,28 @@ class DecodeReplay:
         self.graphs = DecodeGraphs(cache.device)
         self.width = 0                  # block table columns of the static buffers
         self.recorded = None            # what this call's graphs record besides the forward (`begin_call`)
+        self.penalties = self.history = None        # this call's penalty terms and the token history they read
         self.latest = None              # the output launched last
         self.warmup_seconds = 0.0       # uncaptured first runs per bucket: compile, autotune, lazy init
 
-    def begin_call(self, max_blocks_per_request: int, modules: list) -> None:
-        """Widen the static buffers where a request needs more blocks; drop the graphs if what they recorded changed
-        (weights, adapters, buffers, autocast state, a failed compile, and the cache pools' addresses unless the
+    def begin_call(self, max_blocks_per_request: int, modules: list, penalties=None, history=None) -> None:
+        """Widen the static buffers where a request needs more blocks, take those of the call's penalty terms
+        (`runner.ModelRunner.begin_call`); drop the graphs if what they recorded changed (weights, adapters, buffers,
+        autocast state, a failed compile, the token history's place, and the cache pools' addresses unless the
         backend's decode reads them at run time: then graphs outlive a release and the pools' new addresses)."""
         if max_blocks_per_request > self.width:
             self.width = 1 << (max_blocks_per_request - 1).bit_length()
             self._allocate_buffers()
+        self.penalties, self.history = penalties, history
+        if penalties not in self.buffer_sets:
+            n = self.max_batch
+            self.buffer_sets[penalties] = StepBuffers(n, n, self.width, n, n, self.cache.device, 2, penalties)
+        self.buffers = self.buffer_sets[penalties]
         device, cache = self.cache.device.type, self.cache
         pools = ((cache.pool_offsets.data_ptr(),) if self.backend.DECODE_FOLLOWS_POOLS
                  else tuple(t.data_ptr() for t in (*cache.k_caches, *cache.v_caches)))
-        self.recorded = (model_fingerprint(modules), self.width, pools, torch.is_autocast_enabled(device),
+        tokens = None if history is None or history.ids is None else history.ids.data_ptr()
+        self.recorded = (model_fingerprint(modules), self.width, pools, tokens, torch.is_autocast_enabled(device),
                          torch.get_autocast_dtype(device))
         self._keep_graphs_if_recorded()
 
@@ -131,6 +139,7 @@ class DecodeReplay:
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
         self.buffers = StepBuffers(n, n, self.width, n, n, device, mirrors=2)
+        self.buffer_sets = {None: self.buffers}     # by PenaltyKind: the static buffers of a call's steps
         self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(n, device=device)
         self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
@@ -142,11 +151,17 @@ class DecodeReplay:
     def serves(self, plan) -> bool:
         return len(plan) <= self.max_batch and is_pure_decode(plan)
 
+    def graph_key(self, bucket: int, kind: SamplerKind) -> tuple:
+        """A graph per bucket and sampler kind, and per penalty kind in calls whose requests use penalties."""
+        return (bucket, kind) if self.penalties is None else (bucket, kind, self.penalties)
+
     def decode_step(self, bucket: int, kind: SamplerKind) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""
         ids, positions, meta, keep = self.buffers.model_inputs(bucket, bucket, bucket, self.cache, self.backend,
                                                                self.tuning, 1, self.width * self.cache.block_size)
-        tokens, logprobs, tied = sample(self.forward(ids, positions, meta, keep), self.buffers.sampling(bucket, kind))
+        self.buffers.record_tokens(self.history, bucket)
+        tokens, logprobs, tied = sample(self.forward(ids, positions, meta, keep),
+                                        self.buffers.sampling(bucket, kind, self.history))
         self.out_tokens[:bucket].copy_(tokens)
         self.out_logprobs[:bucket].copy_(logprobs)
         if tied is not None:
@@ -156,7 +171,7 @@ class DecodeReplay:
         """Launch the plan's replay; after: the step just launched, which the plan continues (see ModelRunner)."""
         bucket = bucket_for(len(plan), self.buckets)
         kind = sampler_kind(chunk.request.params for chunk in plan)
-        if (bucket, kind) not in self.graphs:
+        if self.graph_key(bucket, kind) not in self.graphs:
             assert after is None, "a step launched ahead replays the graph of the step before it"
             self._capture_all(kind)
         if after is not None and after.stale:
@@ -184,7 +199,7 @@ class DecodeReplay:
             self.warm_up(bucket, kind)
             if getattr(self.forward, "active", None) != active:
                 return self._capture_all(kind)
-            self.graphs.capture((bucket, kind), lambda b=bucket: self.decode_step(b, kind))
+            self.graphs.capture(self.graph_key(bucket, kind), lambda b=bucket: self.decode_step(b, kind))
 
     def write_inputs(self, plan, bucket: int) -> None:
         columns = step_columns(plan, self.cache.block_size)
@@ -220,7 +235,7 @@ class ReplayOutput(StepOutput):
         replay.write_inputs(self.plan, self.bucket)
         if ids_on_device:
             replay.buffers.views["input_ids"][:n].copy_(replay.out_tokens[:n])
-        replay.graphs.replay((self.bucket, self.kind))
+        replay.graphs.replay(replay.graph_key(self.bucket, self.kind))
         outputs = replay.outputs(n, self.kind)
         self.host = replay.out_host[replay.out_turn][:outputs.numel()].view(outputs.shape)
         replay.out_turn ^= 1

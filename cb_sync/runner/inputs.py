@@ -10,6 +10,14 @@ import torch
 
 from ..attention import AttnMetadata
 from ..engine.request import Request
+from ..sampling.penalties import (
+    PENALTY_COLUMNS,
+    PENALTY_PADDING,
+    PenaltyBatch,
+    PenaltyKind,
+    TokenHistory,
+    penalty_columns,
+)
 from ..sampling.sampler import (
     SAMPLING_COLUMNS,
     SamplerKind,
@@ -24,7 +32,8 @@ _ROW_FIELDS = (*_TOKEN_FIELDS, "seq_lens", "query_start", "keep")
 
 @dataclass(slots=True)
 class StepColumns:
-    """A step's inputs as host lists: per token, per request, per sampling row (row kept, request, output index)."""
+    """A step's inputs as host lists: per token, per request, per sampling row (row kept, request, output index, the
+    request's row)."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -35,6 +44,7 @@ class StepColumns:
     keep: list[int] = field(default_factory=list)
     samplers: list[Request] = field(default_factory=list)
     sample_positions: list[int] = field(default_factory=list)
+    sampler_rows: list[int] = field(default_factory=list)
 
     def pad_requests(self, num_requests: int) -> None:
         """Add requests of one query each that read and store nothing, up to num_requests."""
@@ -62,22 +72,28 @@ def step_columns(plan, block_size: int) -> StepColumns:
             columns.keep.append(columns.query_start[-1] - 1)
             columns.samplers.append(request)
             columns.sample_positions.append(stop - len(request.prompt))
+            columns.sampler_rows.append(len(columns.seq_lens) - 1)
     return columns
 
 
 class StepBuffers:
     """Device views `views[name]` of one byte buffer, fields at ALIGN-byte boundaries, and host mirrors (numpy) that
     `upload()` sends in one copy: input_ids, positions, slots [tokens]; seq_lens [requests]; query_start [requests +
-    1]; tables [requests, width]; keep [rows kept]; "sampling.<column>" [rows]. With mirrors=2 (the replay's; pinned on
+    1]; tables [requests, width]; keep [rows kept]; "sampling.<column>" [rows]; with penalties (a PenaltyKind),
+    "penalty.<column>" [rows] and "penalty.banned" [rows, banned_width]. With mirrors=2 (the replay's; pinned on
     CUDA) they are used in turn: one is filled again two uploads later, once the step that read it has been waited
     for."""
 
     def __init__(self, tokens: int, requests: int, width: int, kept: int, sampled: int, device: torch.device,
-                 mirrors: int = 1):
+                 mirrors: int = 1, penalties: PenaltyKind | None = None):
         shapes = [(name, torch.int64, (tokens,)) for name in _TOKEN_FIELDS]
         shapes += [("seq_lens", torch.int32, (requests,)), ("query_start", torch.int32, (requests + 1,)),
                    ("tables", torch.int32, (requests, width)), ("keep", torch.int64, (kept,))]
         shapes += [("sampling." + name, dtype, (sampled,)) for name, dtype in SAMPLING_COLUMNS.items()]
+        if penalties is not None:
+            shapes += [("penalty." + name, dtype, (sampled,)) for name, dtype in PENALTY_COLUMNS.items()]
+            shapes.append(("penalty.banned", torch.int64, (sampled, penalties.banned_width)))
+        self.penalties = penalties
         offsets, size = [], 0
         for _, dtype, shape in shapes:
             offsets.append(size)
@@ -94,10 +110,11 @@ class StepBuffers:
         self.turn = 0
 
     @classmethod
-    def packed(cls, columns: StepColumns, width: int, device: torch.device) -> StepBuffers:
+    def packed(cls, columns: StepColumns, width: int, device: torch.device,
+               penalties: PenaltyKind | None = None) -> StepBuffers:
         """Buffers of the columns' own sizes, written and sent to the device."""
         buffers = cls(len(columns.input_ids), len(columns.seq_lens), width, len(columns.keep),
-                      len(columns.samplers), device)
+                      len(columns.samplers), device, penalties=penalties)
         buffers.write(columns)
         buffers.upload()
         return buffers
@@ -113,6 +130,14 @@ class StepBuffers:
         tables[:len(columns.tables)] = 0
         for row, blocks in enumerate(columns.tables):
             tables[row, :len(blocks)] = blocks
+        if self.penalties is not None:
+            penalties = penalty_columns(columns.samplers, columns.sample_positions, columns.sampler_rows,
+                                        self.penalties.banned_width)
+            for name, values in penalties.items():
+                column = host["penalty." + name]
+                column[len(values):] = PENALTY_PADDING[name]
+                if values:
+                    column[:len(values)] = values
 
     def upload(self) -> None:
         """Send the current host mirror to the device and turn to the next one."""
@@ -128,6 +153,16 @@ class StepBuffers:
                             cache.v_caches, backend, tuning, cache.pool_offsets)
         return v["input_ids"][:tokens].unsqueeze(0), v["positions"][:tokens].unsqueeze(0), meta, v["keep"][:kept]
 
-    def sampling(self, rows: int, kind: SamplerKind) -> SamplingBatch:
-        """The sampling parameters of the leading rows."""
-        return SamplingBatch(*(self.views["sampling." + name][:rows] for name in SAMPLING_COLUMNS), kind=kind)
+    def record_tokens(self, history: TokenHistory, tokens: int) -> None:
+        """Store the leading tokens at their cache slots in `history`, where the step's penalties read them."""
+        if self.penalties is not None and self.penalties.reads_history:
+            history.record(self.views["slots"][:tokens], self.views["input_ids"][:tokens])
+
+    def sampling(self, rows: int, kind: SamplerKind, history: TokenHistory | None = None) -> SamplingBatch:
+        """The sampling parameters of the leading rows, with their penalties' where the buffers have them."""
+        v, penalties = self.views, None
+        if self.penalties is not None:
+            penalties = PenaltyBatch(self.penalties, *(v["penalty." + name][:rows] for name in PENALTY_COLUMNS),
+                                     v["penalty.banned"][:rows], v["tables"], history)
+        return SamplingBatch(*(v["sampling." + name][:rows] for name in SAMPLING_COLUMNS), kind=kind,
+                             penalties=penalties)

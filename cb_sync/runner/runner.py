@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import StepBackends
 from ..engine.kv_cache import PagedKVCache
+from ..sampling.penalties import PenaltyKind, TokenHistory, penalty_kind
 from ..sampling.sampler import sample_exactly, sampler_kind
 from ..tuning import AttentionTuning
 from .compiled import CompiledForward, eager_forward
@@ -23,7 +24,8 @@ from .output import EagerOutput, StepOutput
 class ModelRunner:
     """Executes plans (lists of ScheduledChunks). backends: the attention backend of pure-decode steps and that of
     steps with prompt tokens; replay: the executor of pure-decode steps (None: every step runs uncaptured); compiled:
-    the forward of the other steps (None: eager); observer: called with each step's output."""
+    the forward of the other steps (None: eager); observer: called with each step's output; penalties: the penalty
+    terms of this call's steps (`begin_call`), which read the tokens every step stores in `history`."""
 
     model: torch.nn.Module
     cache: PagedKVCache
@@ -32,9 +34,28 @@ class ModelRunner:
     replay: DecodeReplay | None = None
     compiled: CompiledForward | None = None
     observer: Callable[[StepOutput], None] | None = None
+    penalties: PenaltyKind | None = field(default=None, init=False)
+    history: TokenHistory = field(init=False)
 
     def __post_init__(self):
         assert self.compiled is None or self.replay is not None, "a compiled forward needs the decode replay's width"
+        self.history = TokenHistory(self.cache.block_size, self.cache.device)
+
+    def begin_call(self, requests, max_blocks_per_request: int, modules: list) -> None:
+        """Prepare for a call's requests, over a cache already sized for them: the penalty terms their steps compute
+        and the token history those read; the replay's buffers and graphs (`DecodeReplay.begin_call`)."""
+        self.penalties = penalty_kind(requests)
+        if self.penalties is not None and self.penalties.reads_history:
+            self.history.ensure(self.cache.num_blocks * self.cache.block_size)
+        if self.replay is not None:
+            self.replay.begin_call(max_blocks_per_request, modules, self.penalties, self.history)
+
+    def release(self, keep_graphs: bool) -> None:
+        """Free the captured graphs unless keep_graphs, and the token history unless graphs that read it are kept."""
+        if self.replay is not None and not keep_graphs:
+            self.replay.graphs.release()
+        if self.replay is None or not keep_graphs:
+            self.history.release()
 
     def execute(self, plan, after: StepOutput | None = None) -> StepOutput:
         """Launch the plan. after: the step just launched, not read yet, that the plan continues (`plan_ahead`: the
@@ -61,14 +82,16 @@ class ModelRunner:
             columns.pad_requests(2)
             columns.keep += (columns.keep[-1:] or [0]) * (2 - len(columns.keep))
         width = self.replay.width if compiled else max(len(blocks) for blocks in columns.tables)
-        buffers = StepBuffers.packed(columns, width, self.cache.device)
+        buffers = StepBuffers.packed(columns, width, self.cache.device, self.penalties)
         backend = self.backends.decode if is_pure_decode(plan) else self.backends.prefill
         ids, positions, meta, keep = buffers.model_inputs(
             len(columns.input_ids), len(columns.seq_lens), len(columns.keep), self.cache, backend, self.tuning,
             max(chunk.length for chunk in plan), max(columns.seq_lens))
+        buffers.record_tokens(self.history, len(columns.input_ids))
         logits = (self.compiled if compiled else eager_forward(self.model))(ids, positions, meta, keep)
         sampled = len(columns.samplers)
         kind = sampler_kind(request.params for request in columns.samplers)
-        tokens, logprobs = sample_exactly(logits[:sampled], buffers.sampling(sampled, kind)) if sampled else \
+        batch = buffers.sampling(sampled, kind, self.history)
+        tokens, logprobs = sample_exactly(logits[:sampled], batch) if sampled else \
             (logits.new_empty(0, dtype=torch.int64), logits.new_empty(0))
         return EagerOutput(plan, "compiled" if compiled else "eager", kind, tokens, logprobs)

@@ -1,4 +1,5 @@
-"""GPU sampling: greedy, temperature, top-k, top-p, min-p (HF order and semantics), counter-based noise, logprobs.
+"""GPU sampling: penalties (`penalties`), greedy, temperature, top-k, top-p, min-p (HF order and semantics),
+counter-based noise, logprobs.
 
 The noise for request r at output position t and token v is a hash of (r's seed, t, v): it does not depend on what else
 is in the batch, and no generator state is carried between steps."""
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+
+from .penalties import PenaltyBatch, apply_penalties
 
 _MASK32 = 0xFFFFFFFF
 CANDIDATES = 64       # a row with 0 < top_k <= MAX_CANDIDATE_TOP_K filters the top CANDIDATES tokens only
@@ -86,6 +89,7 @@ class SamplingBatch:
     seeds: torch.Tensor         # int64 [S]
     positions: torch.Tensor     # int64 [S], index of the token being sampled among the request's outputs
     kind: SamplerKind
+    penalties: PenaltyBatch | None = None     # None: the call's requests use no penalty
 
 
 SAMPLING_COLUMNS = {"do_sample": torch.bool, "temperature": torch.float32, "top_k": torch.int64,
@@ -112,22 +116,28 @@ def sample_exactly(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Te
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Choose one token per row of logits [S, V]: (token ids int64 [S], their logprobs float32 [S], tied).
 
-    Logprobs are log_softmax(logits / temperature) of the chosen token, unfiltered (what a trainer recomputes); greedy
-    rows use temperature 1. Candidate rows (candidate_top_k) filter the top CANDIDATES tokens, the other filtered rows
-    the sorted vocabulary; a candidate row whose top-k kept every candidate (values tied with the k-th may lie beyond
+    The logits are penalised and masked first (`penalties`). Logprobs are log_softmax(logits / temperature) of the
+    chosen token, of the model's logits, unpenalised and unfiltered (what a trainer recomputes); greedy rows use
+    temperature 1. Candidate rows (candidate_top_k) filter the top CANDIDATES tokens, the other filtered rows the
+    sorted vocabulary; a candidate row whose top-k kept every candidate (values tied with the k-th may lie beyond
     them) takes the sorted vocabulary's draw. The CANDIDATES sampler computes candidates only and `tied` (bool [S])
     flags those rows, to be sampled again with the SORTED sampler (sample_exactly); `tied` is None otherwise. A row's
     path and draw depend on its own parameters and logits only, not on the other rows. No host synchronisation."""
-    greedy = batch.kind is SamplerKind.GREEDY
-    scaled = logits.float() if greedy else logits.float() / batch.temperature[:, None]
+    raw = logits.float()
+    scaled = _scaled(raw if batch.penalties is None else apply_penalties(raw, batch.penalties, batch.positions), batch)
     tokens, tied = scaled.argmax(dim=-1), None
-    if not greedy:
+    if batch.kind is not SamplerKind.GREEDY:
         if batch.kind is SamplerKind.SAMPLE:
             sampled = _gumbel_argmax(scaled, batch, None, scaled.shape[1])
         else:
             sampled, tied = _sample_filtered(scaled, batch)
         tokens = torch.where(batch.do_sample, sampled, tokens)
-    return tokens, chosen_logprobs(scaled, tokens), tied
+    return tokens, chosen_logprobs(scaled if batch.penalties is None else _scaled(raw, batch), tokens), tied
+
+
+def _scaled(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """scores / temperature; the scores themselves for the GREEDY sampler."""
+    return scores if batch.kind is SamplerKind.GREEDY else scores / batch.temperature[:, None]
 
 
 def chosen_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
