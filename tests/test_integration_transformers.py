@@ -172,9 +172,9 @@ def test_sampling_is_seeded_and_groups_differ():
     disable(model)
 
 
-@pytest.mark.parametrize("option", [dict(num_beams=2), dict(repetition_penalty=1.2), dict(num_return_sequences=2),
-                                    dict(no_repeat_ngram_size=2), dict(suppress_tokens=[3]), dict(min_new_tokens=3),
-                                    dict(typical_p=0.5), dict(bad_words_ids=[[4]])])
+@pytest.mark.parametrize("option", [dict(num_beams=2), dict(num_return_sequences=2), dict(no_repeat_ngram_size=2),
+                                    dict(typical_p=0.5), dict(bad_words_ids=[[4]]), dict(presence_penalty=0.5),
+                                    dict(begin_suppress_tokens=[3])])
 def test_unsupported_generation_options_raise(model, option):
     enable(model)
     name = next(iter(option))
@@ -184,11 +184,47 @@ def test_unsupported_generation_options_raise(model, option):
 
 def test_unsupported_option_in_model_generation_config_raises(model):
     enable(model)
-    model.generation_config.repetition_penalty = 1.1
-    with pytest.raises(ValueError, match="repetition_penalty"):
+    model.generation_config.no_repeat_ngram_size = 2
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
         model.generate_batch(PROMPTS, generation_config=greedy_config(4))
-    model.generation_config.repetition_penalty = 1.0  # neutral value: accepted
+    model.generation_config.no_repeat_ngram_size = 0  # neutral value: accepted
     assert len(model.generate_batch(PROMPTS, generation_config=greedy_config(4))) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(repetition_penalty=0.8),
+                                     dict(min_new_tokens=6), dict(min_length=9), dict(suppress_tokens=[64, 97]),
+                                     dict(repetition_penalty=1.2, min_new_tokens=4, suppress_tokens=[7])])
+def test_penalties_and_minimum_lengths_give_hf_generates_tokens(model, options):
+    """repetition_penalty, min_new_tokens, min_length (EOS masked until both are reached) and suppress_tokens from a
+    GenerationConfig: HF generate's greedy tokens with the same config."""
+    enable(model)
+    eos = model.generate_batch(PROMPTS[:1], generation_config=greedy_config(3))["req_0"].generated_tokens[2]
+    out = model.generate_batch(PROMPTS, generation_config=greedy_config(12, eos_token_id=eos, **options))
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            expected = model.generate(input_ids=torch.tensor([prompt]), generation_config=greedy_config(
+                12, eos_token_id=eos, pad_token_id=0, **options))[0, len(prompt):].tolist()
+        expected = expected[:expected.index(eos) + 1] if eos in expected else expected
+        assert out[f"req_{i}"].generated_tokens == expected, i
+    plain = model.generate_batch(PROMPTS, generation_config=greedy_config(12, eos_token_id=eos))
+    assert [o.generated_tokens for o in out.values()] != [o.generated_tokens for o in plain.values()]
+
+
+def test_a_models_default_repetition_penalty_is_honoured(model, monkeypatch):
+    """A checkpoint's generation_config.json with a repetition penalty (Qwen2.5's instruct models ship 1.05) reaches
+    the requests of a plain sampling config; vLLM's penalties only where asked (the trainer's generation_kwargs)."""
+    monkeypatch.setattr(model.generation_config, "repetition_penalty", 1.05)
+    (p,) = sampling_params_from_generation_config(model, GenerationConfig(do_sample=True, max_new_tokens=8), [[3]])
+    assert p.repetition_penalty == 1.05 and p.do_sample
+    cfg = GenerationConfig(max_new_tokens=8, min_new_tokens=2, min_length=6, presence_penalty=0.5,
+                           frequency_penalty=0.25, min_tokens=4)
+    with pytest.raises(ValueError, match="presence_penalty=0.5"):
+        sampling_params_from_generation_config(model, cfg, [[3]])
+    short, long = sampling_params_from_generation_config(model, cfg, [[3], [3] * 5], vllm_options=True)
+    assert (short.presence_penalty, short.frequency_penalty) == (0.5, 0.25)
+    assert (short.min_new_tokens, long.min_new_tokens) == (5, 4)     # min_length - len(prompt), min_tokens
+    (p,) = sampling_params_from_generation_config(model, cfg, [[3]], vllm_options=True, min_new_tokens=20)
+    assert p.min_new_tokens == 8                                        # past max_new_tokens: no EOS at all
 
 
 def test_kwargs(model):

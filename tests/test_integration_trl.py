@@ -414,10 +414,23 @@ def test_refuses_conflicting_backends_and_options(tmp_path):
         CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
                           args=grpo_args(tmp_path, use_transformers_continuous_batching=True),
                           train_dataset=dataset(), processing_class=tokenizer())
-    with pytest.raises(ValueError, match="repetition_penalty"):
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
         CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
-                          args=grpo_args(tmp_path, repetition_penalty=1.3),
+                          args=grpo_args(tmp_path, generation_kwargs={"no_repeat_ngram_size": 2}),
                           train_dataset=dataset(), processing_class=tokenizer())
+
+
+def test_repetition_penalty_and_vllms_penalties_reach_the_rollouts(tmp_path):
+    """GRPOConfig.repetition_penalty, and vLLM's presence_penalty, frequency_penalty and min_tokens passed through
+    generation_kwargs (as TRL's vLLM path takes them), set the rollouts' SamplingParams."""
+    kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "min_tokens": 2}
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                args=grpo_args(tmp_path, repetition_penalty=1.3, generation_kwargs=kwargs),
+                                train_dataset=dataset(), processing_class=tokenizer())
+    p = trainer.cb_generation.sampling_params
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_new_tokens) == (1.3, 0.5, 0.25, 2)
+    ids, _ = trainer._generate_single_turn([[5, 6, 7]] * 4, None, {}, num_generations=4)
+    assert all(len(tokens) >= 3 for tokens in ids)      # EOS not before min_tokens
 
 
 def test_generation_kwargs_reach_the_rollouts_as_in_trls_own_path(tmp_path):

@@ -6,10 +6,16 @@ path, runs on cb_sync unchanged.
 A `GenerationConfig` is read as `model.generate()` reads it: fields left `None` come from `model.generation_config`,
 then from transformers' defaults (top-k 50 when sampling with `top_k` unset; 20 tokens minus the prompt without
 `max_new_tokens` or `max_length`). Honoured: `max_new_tokens` (else `max_length`), `do_sample`, `temperature`,
-`top_k`, `top_p`, `min_p`, `eos_token_id` (None, [] or -1: no EOS; negative ids in a list are dropped),
-`pad_token_id`. Other fields that would change the tokens (beams, repetition penalty, several return sequences, ...)
-raise ValueError naming them; fields that cannot (output flags, cache and compile settings, beam-only settings while
-num_beams == 1, ...) are ignored.
+`top_k`, `top_p`, `min_p`, `repetition_penalty`, `min_new_tokens` and `min_length` (EOS masked until both are
+reached), `suppress_tokens`, `eos_token_id` (None, [] or -1: no EOS; negative ids in a list are dropped),
+`pad_token_id`. Other fields that would change the tokens (beams, no_repeat_ngram_size, bad_words_ids, several return
+sequences, ...) raise ValueError naming them; fields that cannot (output flags, cache and compile settings, beam-only
+settings while num_beams == 1, ...) are ignored.
+
+Logprobs (`return_logprobs=True`) are cb_sync's: log_softmax(logits / temperature) of the model's logits over the whole
+vocabulary, before penalties and filters (what a trainer recomputes from the same model). transformers' own engine
+returns the log of the processed distribution, after penalties and the top-k / top-p / min-p filters, which is
+larger under a filter (it renormalises over the tokens kept); one semantics is kept here, the trainer's.
 
 Of `ContinuousBatchingConfig` only `return_logprobs` and `seed` (one seed per call) are used: size cb_sync with the
 `CBConfig` given to `enable`. `persistent_manager=False` (the default) releases the KV cache after the call and keeps
@@ -45,7 +51,10 @@ _METHOD = "generate_batch"
 
 # GenerationConfig fields mapped onto SamplingParams.
 _MAPPED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "eos_token_id",
-           "pad_token_id"}
+           "pad_token_id", "repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens"}
+# vLLM's penalty options, set on a GenerationConfig as extra attributes (TRL's generation_kwargs): mapped only where
+# the caller asks (`vllm_options=True`), as HF's generate() ignores them.
+_VLLM = {"presence_penalty", "frequency_penalty", "min_tokens"}
 # Fields that cannot change the generated tokens of a single-sequence decoder-only generation.
 _HARMLESS = {"bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
              "max_cache_len", "compile_config", "disable_compile", "continuous_batching_config", "prefill_chunk_size",
@@ -57,10 +66,9 @@ _HARMLESS = {"bos_token_id", "decoder_start_token_id", "use_cache", "cache_imple
              # beam-search-only settings: inert while num_beams == 1 (num_beams > 1 is refused)
              "early_stopping", "length_penalty", "num_beam_groups", "diversity_penalty"}
 # Values of the remaining fields that leave the tokens unchanged (None is always neutral).
-_NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
-            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
-            "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "guidance_scale": 1.0,
-            "penalty_alpha": 0.0, "top_h": None}
+_NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0, "typical_p": 1.0,
+            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+            "guidance_scale": 1.0, "penalty_alpha": 0.0, "top_h": None}
 # transformers' global defaults for the mapped fields (GenerationConfig._get_default_generation_params, 5.17).
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # ContinuousBatchingConfig fields used here; the others only size or tune transformers' own engine.
@@ -229,7 +237,8 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
 
 
 def sampling_params_from_generation_config(model, generation_config=None, prompts: list[list[int]] | None = None,
-                                           logprobs: bool = False, **overrides) -> list[SamplingParams]:
+                                           logprobs: bool = False, vllm_options: bool = False,
+                                           **overrides) -> list[SamplingParams]:
     """SamplingParams from a GenerationConfig resolved as `model.generate()` resolves it; ValueError for any field
     that would change the result and that cb_sync cannot honour. Seeds are left unset (`SyncCBDriver.generate(seed=)`
     derives one per request).
@@ -237,8 +246,10 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
     Args:
         model: the model whose `generation_config` fills the fields left None.
         generation_config: a transformers GenerationConfig (None: an empty one).
-        prompts: the prompts' token ids, which `max_length` counts (None: one empty prompt).
+        prompts: the prompts' token ids, which `max_length` and `min_length` count (None: one empty prompt).
         logprobs: whether the completions carry their tokens' logprobs.
+        vllm_options: also honour vLLM's `presence_penalty`, `frequency_penalty` and `min_tokens` set on the config
+            (TRL's generation_kwargs for its vLLM path); else they are refused, as any field cb_sync does not map.
         **overrides: GenerationConfig fields set last, as generate()'s keyword arguments.
 
     Returns:
@@ -260,8 +271,9 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
                 values[name] = value
     values.update({name: value for name, value in _DEFAULTS.items() if values.get(name) is None})
     values.update(overrides)   # like generate()'s keyword arguments: last, a None among them included
+    mapped = _MAPPED | _VLLM if vllm_options else _MAPPED
     bad = sorted(f"{k}={v!r}" for k, v in values.items()
-                 if k not in _MAPPED and k not in _HARMLESS and not _is_neutral(k, v))
+                 if k not in mapped and k not in _HARMLESS and not _is_neutral(k, v))
     if bad:
         raise ValueError(f"cb_sync cannot honour these generation options: {', '.join(bad)}. Remove them (or set "
                          "them to their neutral values) from the GenerationConfig and model.generation_config.")
@@ -271,6 +283,11 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
         sampling = dict(do_sample=True, temperature=float(_or(values["temperature"], 1.0)),
                         top_k=int(_or(values["top_k"], 0)), top_p=float(_or(values["top_p"], 1.0)),
                         min_p=float(_or(values.get("min_p"), 0.0)))
+    sampling.update(repetition_penalty=float(_or(values.get("repetition_penalty"), 1.0)),
+                    suppress_tokens=list(_or(values.get("suppress_tokens"), [])))
+    if vllm_options:
+        sampling.update(presence_penalty=float(_or(values.get("presence_penalty"), 0.0)),
+                        frequency_penalty=float(_or(values.get("frequency_penalty"), 0.0)))
     params = []
     for index, prompt in enumerate(prompts):
         max_new = values.get("max_new_tokens")
@@ -281,7 +298,12 @@ def sampling_params_from_generation_config(model, generation_config=None, prompt
             if max_new <= 0:
                 raise ValueError(f"prompt {index} has {len(prompt)} tokens, not below max_length="
                                  f"{values['max_length']}: set max_new_tokens")
-        params.append(SamplingParams(max_new_tokens=int(max_new), eos_token_id=eos, logprobs=logprobs, **sampling))
+        # generate() masks EOS until min_new_tokens new tokens and min_length tokens in all; past max_new_tokens the
+        # mask changes nothing
+        min_new = max(_or(values.get("min_new_tokens"), 0), _or(values.get("min_length"), 0) - len(prompt),
+                      _or(values.get("min_tokens"), 0) if vllm_options else 0)
+        params.append(SamplingParams(max_new_tokens=int(max_new), eos_token_id=eos, logprobs=logprobs,
+                                     min_new_tokens=min(int(min_new), int(max_new)), **sampling))
     return params
 
 

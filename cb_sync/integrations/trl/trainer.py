@@ -35,8 +35,10 @@ from .training_step_compile import CompiledLayers
 
 class CBSyncGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with cb_sync rollouts. Sampling follows GRPOConfig (`temperature`, `top_p`, `top_k`, `min_p`,
-    `max_completion_length`, `generation_kwargs`) as TRL reads it into the GenerationConfig of its transformers path;
-    an option cb_sync cannot honour (e.g. `repetition_penalty != 1`) raises ValueError here. EOS is TRL's
+    `repetition_penalty`, `max_completion_length`, `generation_kwargs`) as TRL reads it into the GenerationConfig of
+    its transformers path, with vLLM's `presence_penalty`, `frequency_penalty` and `min_tokens` from
+    `generation_kwargs` honoured as TRL's vLLM path does; an option cb_sync cannot honour (e.g. `num_beams > 1`)
+    raises ValueError here. EOS is TRL's
     `eos_token_ids`. Each copy of a prompt is a request with its own seed, so a group's members differ, and their
     identical prompts share KV blocks. The driver runs a rollout in eval and inference mode and restores every
     module's training flag.
@@ -101,7 +103,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         if self.cb_config.batch_invariant:
             exact_mode.check_training(model)
         # TRL's GenerationConfig for its transformers path already merges GRPOConfig and generation_kwargs.
-        params = sampling_params_from_generation_config(model, self.generation_config, logprobs=True)[0]
+        params = sampling_params_from_generation_config(model, self.generation_config, logprobs=True,
+                                                        vllm_options=True)[0]
         self.cb_generation = CBSyncGeneration(self.cb_config, params, release_after_rollout)
 
     @property
