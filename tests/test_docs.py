@@ -19,7 +19,8 @@ from cb_sync.integrations import transformers as cb_transformers
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 USER_DOCS = [README] + [ROOT / "docs" / f"{name}.md" for name in
-                        ("architecture", "trl", "batch_invariant", "long_rollouts", "data_parallel", "tuning")]
+                        ("architecture", "trl", "batch_invariant", "long_rollouts", "data_parallel", "tuning",
+                         "sampling")]
 TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q'
 DEMO_COMMAND = "pip install torch==2.13.0 && pip install -e . && cb-sync demo"
 LAB_NOTEBOOK = re.compile(r"\b(leases?|sessions?|clean clones?|attempt \d+|helpers?)\b", re.I)
