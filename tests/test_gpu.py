@@ -32,16 +32,25 @@ def _hf_greedy_cuda(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, min_new_tokens=3,
+                 suppress_tokens=[3, 4], eos_token_id=[1, 2])
+
+
+@pytest.mark.parametrize("penalties", [{}, PENALTIES], ids=["plain", "penalised"])
 @pytest.mark.parametrize("kind", [SamplerKind.GREEDY, SamplerKind.CANDIDATES, SamplerKind.SORTED])
-def test_replay_is_bit_identical_to_uncaptured_step(kind):
+def test_replay_is_bit_identical_to_uncaptured_step(kind, penalties):
+    """A replayed graph gives the tokens and logprobs of its step run uncaptured, bit for bit; with penalties, the
+    token history written and read inside the captured step."""
     model = _cuda_model(dtype=torch.bfloat16)
     driver = SyncCBDriver(model, CBConfig(max_batch_size=8))
     top_k = 100 if kind is SamplerKind.SORTED else 5     # at or above CANDIDATES: the sorted-vocabulary sampler
     sampled = kind is not SamplerKind.GREEDY
-    driver.generate(random_prompts([20] * 8), SamplingParams(max_new_tokens=4, do_sample=sampled, top_k=top_k))
+    driver.generate(random_prompts([20] * 8), SamplingParams(max_new_tokens=4, do_sample=sampled, top_k=top_k,
+                                                             **penalties))
     replay = driver.runner.replay
     inputs = replay.buffers.views
-    assert (8, kind) in replay.graphs
+    key = replay.graph_key(8, kind)
+    assert key in replay.graphs and len(key) == (3 if penalties else 2)
     with generation_mode(model), lora_kernels(model):      # as inside generate(): same LoRA path both times
         gen = torch.Generator(device="cuda").manual_seed(0)
         inputs["input_ids"].random_(0, 128, generator=gen)
@@ -53,10 +62,14 @@ def test_replay_is_bit_identical_to_uncaptured_step(kind):
         inputs["sampling.do_sample"][:8] = sampled
         inputs["sampling.seeds"][:8] = torch.arange(8, device="cuda")
         inputs["sampling.top_k"][:8] = 5
+        if penalties:       # prompts of 6 tokens: the history holds the prompt and 5 to 12 outputs
+            inputs["sampling.positions"][:8] = inputs["seq_lens"][:8] - 6
+            inputs["penalty.prompt_lens"][:8] = 6
+            inputs["penalty.table_rows"][:8] = torch.arange(8, device="cuda")
         replay.decode_step(8, kind)
         eager = replay.out_tokens[:8].clone(), replay.out_logprobs[:8].clone()
         replay.out_tokens.zero_()
-        replay.graphs.replay((8, kind))
+        replay.graphs.replay(key)
         torch.cuda.synchronize()
     assert torch.equal(replay.out_tokens[:8], eager[0])
     assert torch.equal(replay.out_logprobs[:8], eager[1])
@@ -74,11 +87,13 @@ def test_driver_with_graphs_matches_hf_greedy_fp32(arch):
         assert result.token_ids == _hf_greedy_cuda(model, prompt, 24)
 
 
-@pytest.mark.parametrize("sampler", [{}, {"do_sample": True}, {"do_sample": True, "top_k": 5}])
+@pytest.mark.parametrize("sampler", [{}, {"do_sample": True}, {"do_sample": True, "top_k": 5},
+                                     {"do_sample": True, "top_k": 5, **PENALTIES}])
 def test_steps_launched_ahead_equal_steps_run_one_by_one(sampler, monkeypatch):
     """Decode steps queued before the previous step's tokens are read (the input ids taken on the GPU, host
     buffers in turn) give the tokens and logprobs of steps run one at a time, with requests ending on stop tokens
-    and others waiting for a place in the batch; greedy, sampling, and the candidates' sampler."""
+    and others waiting for a place in the batch; greedy, sampling, the candidates' sampler, and with penalties (the
+    token a step takes on the GPU is the one its penalties count)."""
     model = _cuda_model()
     prompts = random_prompts([5, 12, 30, 7, 19, 3, 40, 9])
     config = CBConfig(max_batch_size=4, block_size=16)
@@ -315,3 +330,43 @@ def test_batch_invariant_mode_on_the_4b_shape():
     assert torch.equal(logprobs.detach().cpu(), torch.tensor([r.logprobs for r in batch], dtype=torch.float32))
     logprobs.sum().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+@pytest.fixture(scope="module")
+def small_grpo_model():
+    """The Qwen3-1.7B shape (bf16, LoRA r32, its full vocabulary): small enough that the sampler's share of a step
+    is large."""
+    from benchmarks.harness import build_model
+    return build_model(lora=True, shape="qwen3-1.7b")
+
+
+@pytest.mark.parametrize("batch", [4, 64])
+def test_step_time_with_and_without_a_repetition_penalty(small_grpo_model, batch):
+    """The GRPO sampler's decode step (workload G's filters: temperature 0.1, top-k 5, top-p 0.97, min-p 0.5) over
+    prompts of 256 tokens and 768 new ones, with and without repetition_penalty=1.05: the replayed step's GPU time
+    (its last step replayed 100 times: the penalty reads a history of 1024 positions a row) and the call's decode
+    steps, launch to launch. Printed for the cost line of docs/benchmarks.md (run with -s); nothing asserted on time,
+    only that the penalised call replayed its own graphs."""
+    prompts = torch.randint(0, 151936, (batch, 256), generator=torch.Generator().manual_seed(0)).tolist()
+    grpo = dict(max_new_tokens=768, do_sample=True, temperature=0.1, top_p=0.97, min_p=0.5, top_k=5)
+    lines = []
+    for penalty in (1.0, 1.05):
+        log = StepLog()
+        driver = SyncCBDriver(small_grpo_model, CBConfig(max_batch_size=batch), observer=log)
+        driver.generate(prompts, SamplingParams(**grpo, repetition_penalty=penalty), seed=0)
+        decode = [step for step in log if step.path == "replay"][10:]
+        in_call = (decode[-1].started_at - decode[0].started_at) / (len(decode) - 1)
+        replay = driver.runner.replay
+        key = replay.graph_key(batch, decode[-1].kind)
+        assert key in replay.graphs and len(key) == (2 if penalty == 1.0 else 3)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(100):
+            replay.graphs.replay(key)
+        end.record()
+        end.synchronize()
+        lines.append(f"batch {batch}, repetition_penalty {penalty}: replayed step {start.elapsed_time(end) / 100:.3f} "
+                     f"ms (GPU), decode step in the call {in_call * 1e3:.3f} ms ({torch.cuda.get_device_name()})")
+        driver.release()
+    print("\n" + "\n".join(lines))

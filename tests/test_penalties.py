@@ -143,6 +143,21 @@ def test_greedy_tokens_equal_hf_generate_with_the_same_options(name, static_deco
     assert tokens != [_hf_greedy(model, p, 24, eos) for p in prompts]       # the option changed the tokens
 
 
+@pytest.mark.slow
+def test_compiled_steps_give_hf_generates_tokens():
+    """The compiled step (its Triton kernels through the interpreter on the CPU): chunked prefill and mixed steps
+    compiled, decode steps compiled in the static-buffer path, each storing its tokens; HF generate's tokens."""
+    pytest.importorskip("triton")
+    model = make_model("qwen3", lora=True)
+    prompts = random_prompts([3, 20, 41])
+    eos = SyncCBDriver(model).generate(prompts[:1], SamplingParams(max_new_tokens=4))[0].token_ids[3]
+    driver = SyncCBDriver(model, CBConfig(max_batch_size=4, block_size=8, max_batch_tokens=16, attn_backend="triton",
+                                          compile=True), static_decode=True)
+    results = driver.generate(prompts, SamplingParams(max_new_tokens=10, eos_token_id=eos, **PENALTIES["all"]))
+    assert driver.runner.replay.forward.active and driver.runner.replay.graphs.graphs
+    assert [r.token_ids for r in results] == [_hf_greedy(model, p, 10, eos, **PENALTIES["all"]) for p in prompts]
+
+
 def test_sampled_tokens_respect_the_masks():
     """Seeded sampling: a suppressed token is never drawn, EOS and stop tokens not before min_new_tokens."""
     model = make_model("llama")
