@@ -118,10 +118,11 @@ def apply_penalties(scores: torch.Tensor, batch: PenaltyBatch, positions: torch.
     if kind.reads_history:
         tokens, fed, output = batch.history.read(batch.tables.index_select(0, batch.table_rows), batch.prompt_lens,
                                                  positions)
-    if kind.repetition:
-        seen = _marked(torch.where(fed, tokens, vocab), vocab)
-        penalty = batch.repetition[:, None]
-        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+    if kind.repetition:     # HF's gather, penalise, scatter: one pass over the vocabulary
+        # a position not fed yet stands for position 0 (a prompt is never empty), whose value it writes again
+        index = torch.where(fed, tokens, tokens[:, :1])
+        seen, penalty = scores.gather(1, index), batch.repetition[:, None]
+        scores = scores.scatter(1, index, torch.where(seen < 0, seen * penalty, seen / penalty))
     if kind.counts:
         index = torch.where(output, tokens, vocab)
         counts = scores.new_zeros(len(scores), vocab + 1).scatter_add_(1, index, scores.new_ones(index.shape))
