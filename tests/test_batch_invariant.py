@@ -12,13 +12,13 @@ import torch
 from benchmarks.throughput import padded_batch
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import sdpa_paged
-from cb_sync.batch_invariant import attention as invariant
-from cb_sync.batch_invariant.training_attention import _plain_attention, invariant_attention_forward, positions_from_mask
 from cb_sync.attention.metadata import AttnMetadata
-from cb_sync.batch_invariant import ops as batch_invariant, trainer as invariant_forward
-from cb_sync.batch_invariant.training_attention import INVARIANT_IMPLEMENTATION
+from cb_sync.batch_invariant import attention as invariant
+from cb_sync.batch_invariant import ops, trainer
 from cb_sync.batch_invariant.ops import ROWS, invariant_ops, suspended
 from cb_sync.batch_invariant.trainer import default_forward, invariant_logits, invariant_logprobs, invariant_training
+from cb_sync.batch_invariant.training_attention import (INVARIANT_IMPLEMENTATION, invariant_attention_forward,
+                                                        positions_from_mask)
 
 from conftest import make_model, random_prompts
 
@@ -45,7 +45,7 @@ def test_suspended_leaves_every_op_as_it_is_on_its_thread_only(monkeypatch):
     """Inside suspended(), invariant_ops() blocks (entered before or inside it) pass ops through; the flag is this
     thread's and is restored after, also on error."""
     calls = []
-    monkeypatch.setattr(batch_invariant, "linear_rows", lambda *args: calls.append(1) or F.linear(*args))
+    monkeypatch.setattr(ops, "linear_rows", lambda *args: calls.append(1) or F.linear(*args))
     rows, weight = torch.randn(3, 8), torch.randn(5, 8)
     elsewhere = []
     with invariant_ops():
@@ -54,14 +54,14 @@ def test_suspended_leaves_every_op_as_it_is_on_its_thread_only(monkeypatch):
             F.linear(rows, weight)
             with invariant_ops():
                 F.linear(rows, weight)
-            thread = threading.Thread(target=lambda: elsewhere.append(getattr(batch_invariant._SUSPENDED, "on", False)))
+            thread = threading.Thread(target=lambda: elsewhere.append(getattr(ops._SUSPENDED, "on", False)))
             thread.start()
             thread.join()
         F.linear(rows, weight)
     assert calls == [1, 1] and elsewhere == [False]
     with pytest.raises(RuntimeError, match="inside"), suspended():
         raise RuntimeError("inside")
-    assert not getattr(batch_invariant._SUSPENDED, "on", False)
+    assert not getattr(ops._SUSPENDED, "on", False)
 
 
 def test_default_forward_restores_the_outside_attention_inside_invariant_training():
@@ -82,7 +82,7 @@ def test_default_forward_restores_the_outside_attention_inside_invariant_trainin
                 raise RuntimeError("inside")
             assert config._attn_implementation == INVARIANT_IMPLEMENTATION
         assert config._attn_implementation == outside
-        assert invariant_forward._OUTSIDE_ATTENTION == {}
+        assert trainer._OUTSIDE_ATTENTION == {}
         with default_forward(model):
             assert config._attn_implementation == outside
 
@@ -135,7 +135,7 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
     """The Triton kernel (CUDA's path; interpreted here) against the plain-torch path, and a row alone against the
     same row among others (a padded row, contexts of 1 to 151 keys, GQA)."""
     pytest.importorskip("triton")
-    from cb_sync.batch_invariant import attention_kernel as invariant_kernel
+    from cb_sync.batch_invariant import attention_kernel
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache = torch.randn(2, 80, 4, 2, 16, generator=gen)
     query = torch.randn(9, 4, 16, generator=gen)
@@ -143,13 +143,13 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
     row_tables = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1, 1])
     positions = torch.tensor([0, 5, 17, 63, 64, 100, 150, -1, 33])
     expected = invariant.row_attention(query, k_cache, v_cache, tables, row_tables, positions, 0.25, window, softcap)
-    out = invariant_kernel.row_attention(query, k_cache, v_cache, tables, row_tables, positions, 0.25,
+    out = attention_kernel.row_attention(query, k_cache, v_cache, tables, row_tables, positions, 0.25,
                                          invariant.KEYS_PER_BLOCK, window, softcap)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[7], torch.zeros_like(out[7]))
     for i in (0, 5, 6):
         blocks = int(positions[i]) // k_cache.shape[1] + 1
-        alone = invariant_kernel.row_attention(query[i:i + 1], k_cache, v_cache, tables[row_tables[i:i + 1], :blocks],
+        alone = attention_kernel.row_attention(query[i:i + 1], k_cache, v_cache, tables[row_tables[i:i + 1], :blocks],
                                                torch.zeros(1, dtype=torch.long), positions[i:i + 1], 0.25,
                                                invariant.KEYS_PER_BLOCK, window, softcap)
         assert torch.equal(alone[0], out[i])
@@ -158,12 +158,11 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
 def serve_kernels(monkeypatch, means: bool = True):
     """Both sides through the (interpreted) Triton kernels, as on CUDA: attention, LoRA layers, and means."""
     pytest.importorskip("triton")
-    from cb_sync.batch_invariant import ops as batch_invariant, trainer as invariant_forward
     from cb_sync.batch_invariant import lora as invariant_lora
     monkeypatch.setattr(invariant, "_kernel_serves", lambda query: True)
     monkeypatch.setattr(invariant_lora, "_invariant_kernel_serves", lambda device: True)
     if means:
-        monkeypatch.setattr(batch_invariant, "_mean_kernel_serves", lambda x: x.is_floating_point())
+        monkeypatch.setattr(ops, "_mean_kernel_serves", lambda x: x.is_floating_point())
 
 
 def _with_lora(model, targets=("q_proj", "k_proj", "v_proj", "down_proj")):

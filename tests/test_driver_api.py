@@ -492,18 +492,20 @@ def test_one_driver_called_from_two_threads_gives_the_tokens_of_calls_one_after_
         assert _model_state(model) == before
 
 
-def test_two_drivers_on_one_model_in_two_threads_stay_correct():
-    """The second call starts while the first runs and would end after it: each gives its tokens, and the model ends
-    as it began (not with the settings the first call had put on it when the second began)."""
+@pytest.mark.parametrize("second_model", ["the_same_model", "another_model"])
+def test_two_drivers_in_two_threads_stay_correct(second_model):
+    """The second call starts while the first runs and would end after it: each gives its tokens, and the models end
+    as they began (not with the settings the first call had put on the model when the second began)."""
     model = make_model("qwen3").train()
-    before = _model_state(model)
+    other = model if second_model == "the_same_model" else make_model("llama").train()
+    before = _model_state(model), _model_state(other)
     first_running = threading.Event()
 
     def first_observer(step):
         first_running.set()
         _slow_steps(step)
     first = SyncCBDriver(model, CBConfig(block_size=4), observer=first_observer)
-    second = SyncCBDriver(model, CBConfig(block_size=4), observer=_slow_steps)
+    second = SyncCBDriver(other, CBConfig(block_size=4), observer=_slow_steps)
     short = (random_prompts([6, 4], seed=6), SamplingParams(max_new_tokens=6))
     long = (random_prompts([9], seed=7), SamplingParams(max_new_tokens=20))
     expected = [[r.token_ids for r in first.generate(*short)], [r.token_ids for r in second.generate(*long)]]
@@ -515,7 +517,7 @@ def test_two_drivers_on_one_model_in_two_threads_stay_correct():
         first_running.clear()
         results = _in_threads(lambda: first.generate(*short), second_call)
         assert [[r.token_ids for r in call] for call in results] == expected
-        assert _model_state(model) == before
+        assert (_model_state(model), _model_state(other)) == before
 
 
 def test_release_from_another_thread_waits_for_the_running_generate():
@@ -543,16 +545,39 @@ def test_release_from_another_thread_waits_for_the_running_generate():
     assert not any(released_during_call) and released.is_set() and driver.cache.num_blocks == 0
 
 
-@pytest.mark.parametrize("nested", ["generate", "release", "generate_on_another_driver"])
+def test_a_driver_built_on_another_thread_waits_for_the_running_call():
+    """Construction checks the model by switching its attention and back: during another thread's call it would
+    leave that call's setting behind, so it waits for the call to end (here: 0.5 s into the call, not built yet)."""
+    model = make_model("qwen3").train()
+    before = _model_state(model)
+    built, built_during_call = threading.Event(), []
+    builder = threading.Thread(target=lambda: (SyncCBDriver(model), built.set()))
+
+    def observer(step):
+        if not builder.is_alive() and not built.is_set():
+            builder.start()
+            built_during_call.append(built.wait(timeout=0.5))
+    driver = SyncCBDriver(model, observer=observer)
+    prompt = random_prompts([6])[0]
+    result = driver.generate([prompt], SamplingParams(max_new_tokens=4))[0]
+    builder.join()
+    assert built_during_call == [False] and built.is_set()
+    assert result.token_ids == hf_greedy(model, prompt, 4) and _model_state(model) == before
+
+
+@pytest.mark.parametrize("nested", ["generate", "release", "generate_on_another_driver",
+                                    "generate_on_another_model", "__init__"])
 def test_a_call_from_the_observer_of_a_running_call_raises(nested):
     model = make_model("qwen3").train()
     before = _model_state(model)
-    other = SyncCBDriver(model)
+    other, other_model = SyncCBDriver(model), SyncCBDriver(make_model("llama"))
     nested_calls = {"generate": lambda: driver.generate([[1, 2]]), "release": lambda: driver.release(),
-                    "generate_on_another_driver": lambda: other.generate([[1, 2]])}
+                    "generate_on_another_driver": lambda: other.generate([[1, 2]]),
+                    "generate_on_another_model": lambda: other_model.generate([[1, 2]]),
+                    "__init__": lambda: SyncCBDriver(model)}
     driver = SyncCBDriver(model, observer=lambda step: nested_calls[nested]())
-    with pytest.raises(RuntimeError, match=rf"SyncCBDriver.{nested.split('_')[0]}\(\) was called while a generate"
-                                           r"\(\) or release\(\) on the same model runs on this thread"):
+    with pytest.raises(RuntimeError, match=rf"SyncCBDriver.{nested.split('_on_')[0]}\(\) was called while another "
+                                           r"driver call runs on this thread"):
         driver.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))
     assert _model_state(model) == before
     driver.observer = driver.runner.observer = None

@@ -110,7 +110,8 @@ def _lora_layer():
 
 @pytest.mark.parametrize("base", ["in_the_kernel", "autocast", "hooked"])
 def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(base, monkeypatch):
-    """With gradients the fixed tiling runs the differentiable op it is given: its outputs equal the no-grad kernel path's bit for
+    """With gradients the fixed tiling runs the differentiable op it is given: its outputs equal the no-grad kernel
+    path's bit for
     bit (the generator's), its gradients for x, A, B and (trained too here) the base weight and bias match PEFT's
     autograd. A base layer the kernel does not compute (under autocast to another dtype, or with a forward hook) runs
     its own forward on both sides."""

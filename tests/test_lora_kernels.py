@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 peft = pytest.importorskip("peft")
 
-from cb_sync.lora import kernels, lora_kernels, peft_forward as fast_forward  # noqa: E402
+from cb_sync.lora import kernels, lora_kernels, peft_forward  # noqa: E402
 from cb_sync.tuning import LoraTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +77,7 @@ def test_kernel_rounds_like_peft_with_bf16_adapters():
 
 
 def test_falls_back_to_peft_where_the_kernel_does_not_apply(spy, monkeypatch):
-    monkeypatch.setattr(fast_forward, "KERNEL_MAX_ELEMENTS", 7 * 32)
+    monkeypatch.setattr(peft_forward, "KERNEL_MAX_ELEMENTS", 7 * 32)
     model, layer = lora_stack(32, 16, 4, dropout=0.5)
     x = torch.randn(6, 32, device=DEVICE)
     with torch.no_grad(), lora_kernels(model, tuning=LoraTuning(host_bound_min_rows=4, host_bound_max_rows=6)):
@@ -218,7 +218,7 @@ def test_hooks_gradients_and_large_ranks_keep_peft_forward(spy):
     with lora_kernels(model):
         layer(x).sum().backward()                      # gradients wanted: PEFT's forward (the op has no backward)
     assert spy == [] and layer.lora_B["default"].weight.grad is not None
-    big, big_layer = lora_stack(32, 16, fast_forward.MAX_RANK + 1)
+    big, big_layer = lora_stack(32, 16, peft_forward.MAX_RANK + 1)
     with torch.no_grad(), lora_kernels(big):
         big_layer(x)
     assert spy == []

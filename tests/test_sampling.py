@@ -8,7 +8,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.sampling.sampler import (CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, SamplingBatch, _filter_and_draw, sample,
+from cb_sync.sampling.sampler import (CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, SamplingBatch, _filter_and_draw,
+                                     sample,
                               sample_exactly)
 
 from conftest import make_model, random_prompts
@@ -156,9 +157,9 @@ def test_vocabulary_hashed_once_draws_the_same_noise(draw_path):
 def _check_kernel_draw(device: str, split_columns: int, monkeypatch) -> None:
     """The Triton draw against torch's on fresh random rows on `device`, rows split every `split_columns`."""
     import cb_sync.sampling.sampler as sampling
-    from cb_sync.sampling import draw_kernel as gumbel_kernel
+    from cb_sync.sampling import draw_kernel
     from cb_sync.sampling.draw_kernel import gumbel_argmax
-    monkeypatch.setattr(gumbel_kernel, "SPLIT_COLUMNS", split_columns)
+    monkeypatch.setattr(draw_kernel, "SPLIT_COLUMNS", split_columns)
     monkeypatch.setattr(sampling, "_kernel_draws", lambda scores: False)      # torch's draw, the expected one
     seed = int(torch.randint(0, 2 ** 31, ()))
     gen = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@ Rows go in blocks of `batch_invariant.ROWS` (padded), and each row's keys in blo
 position 0 on, with an online softmax in fp32: every product and sum has one shape (batched matmuls of ROWS x heads
 single-row products) and one order, and key blocks past a row's context leave its state untouched (not just
 numerically: the state is kept). The same function serves the generator's paged cache and a trainer's full
-sequences (`attention.invariant_training`)."""
+sequences (`training_attention`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The row-invariant attention of `invariant.row_attention` as one Triton launch: a program per (query row, KV head)
+"""The row-invariant attention of `attention.row_attention` as one Triton launch: a program per (query row, KV head)
 runs the online softmax of the Triton backend (`triton_kernels._attend_range`) over the row's own context, in tiles of
 KEYS_PER_BLOCK keys from position 0 on (from the window's first tile with a sliding window: the tiles before it are
 exact no-ops), with no split-K. A program reads its row alone, so its bits do not depend on the grid: the generator's
@@ -45,7 +45,7 @@ def _row_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, row_tables_ptr, pos
 def row_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   row_tables: torch.Tensor, row_positions: torch.Tensor, scale: float, keys_per_block: int,
                   sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """`invariant.row_attention`'s contract; keys_per_block: keys per tile (a power of two >= 16).
+    """`attention.row_attention`'s contract; keys_per_block: keys per tile (a power of two >= 16).
     No host synchronisation: decode steps are captured."""
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]

@@ -9,7 +9,7 @@ every call has one shape whatever the batch. max / argmax / top-k are exact, and
 alone (on the CPU, a tensor's last few elements may take a scalar path that rounds transcendental functions
 differently from the vector one: row widths that are multiples of 16, as every model's are, keep rows out of it).
 On CUDA a last-dimension mean is one launch of a program per row (`row_mean`). Attention has its own row-invariant
-path (`attention.invariant`), and PEFT LoRA layers the LoRA kernel in one fixed tiling (`lora.invariant_tuning`);
+path (`attention`), and PEFT LoRA layers the LoRA kernel in one fixed tiling (`lora.invariant_tuning`);
 `check_model` refuses layers this does not cover.
 
 The cost: rows below ROWS are padded (memory-bound decode steps read the weights once either way) and a large batch

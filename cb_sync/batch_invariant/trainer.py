@@ -12,10 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from ..lora import lora_kernels as lora_forwards
-from ..model_patching.generation_mode import (
-    attention_implementations,
-    restore_attention,
-)
+from ..model_patching.generation_mode import attention_implementations, restore_attention
 from ..model_patching.swaps import base_model, forwards_swapped, module_list
 from ..sampling import chosen_logprobs
 from ..tuning import LoraTuning

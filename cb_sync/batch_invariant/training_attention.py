@@ -1,4 +1,4 @@
-"""The row-invariant attention of the generator (`invariant.row_attention`) over a trainer's full sequences, registered
+"""The row-invariant attention of the generator (`attention.row_attention`) over a trainer's full sequences, registered
 with transformers' AttentionInterface as INVARIANT_IMPLEMENTATION: a token's attention output equals, bit for bit,
 the generator's for the same token over the same context. Its backward recomputes plain masked attention (the
 gradient of the same function; only the forward's bits are matched).

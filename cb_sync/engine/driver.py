@@ -26,24 +26,11 @@ from ..runner.cuda_graphs import decode_buckets
 from ..tuning import LoraTuning
 from .block_allocator import BlockAllocator
 from .call_lock import one_call_at_a_time
-from .kv_cache import (
-    PagedKVCache,
-    attention_heads,
-    blocks_at_once,
-    blocks_for,
-    blocks_to_allocate,
-    device_room,
-    step_headroom,
-)
+from .kv_cache import (PagedKVCache, attention_heads, blocks_at_once, blocks_for, blocks_to_allocate, device_room,
+                       step_headroom)
 from .request import GenerationResult, Request, Status
 from .scheduler import Scheduler
-from .validation import (
-    build_requests,
-    check_fits,
-    check_materialized,
-    pad_token_id,
-    warn_of_doubtful_input,
-)
+from .validation import build_requests, check_fits, check_materialized, pad_token_id, warn_of_doubtful_input
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +41,10 @@ class SyncCBDriver:
     The driver runs the very modules it is given: weight updates between calls are seen by the next call.
     KV memory is allocated for each call's needs and kept for the next one until release().
 
-    Threads: generate() and release() on the drivers of one model run one at a time (a second thread waits for the
-    first call to return); a call from within a running one on the same thread (from the observer) raises
-    RuntimeError. The model's attention implementation and its modules' training flags end every call as they
-    began."""
+    Threads: the calls of every driver in a process (construction, generate(), release()) run one at a time (a second
+    thread waits for the first call to return); a call from within a running one on the same thread (from the
+    observer) raises RuntimeError. The model's attention implementation and its modules' training flags end every
+    call as they began."""
 
     def __init__(self, model: torch.nn.Module, config: CBConfig | None = None, *, observer=None,
                  static_decode: bool | None = None):
@@ -77,15 +64,16 @@ class SyncCBDriver:
             ValueError: a parameter or buffer holds no values (the meta device), the model's attention cannot be
                 replaced, or (with `batch_invariant`) the model has layers the exact mode does not cover.
         """
-        check_materialized(model)
         self.model = model
         self.config = config or CBConfig()
         self.observer = observer
         self.static_decode = static_decode
-        check_supported(model)
-        if self.config.batch_invariant:
-            check_model(model)
-        self._bind()
+        with one_call_at_a_time("__init__()"):     # check_supported switches the model's attention and back
+            check_materialized(model)
+            check_supported(model)
+            if self.config.batch_invariant:
+                check_model(model)
+            self._bind()
         if self.config.compile and self.runner.replay is None:
             warnings.warn(f"CBConfig(compile=True) is ignored on {self.device.type} with attn_backend="
                           f"{self.config.attn_backend!r}, cuda_graphs={self.config.cuda_graphs}: compile applies only "
@@ -150,10 +138,10 @@ class SyncCBDriver:
         Raises:
             ValueError: a bad prompt or parameter (naming the request), a request that cannot fit the model's
                 positions or the cache, a weight of the model that holds no values.
-            RuntimeError: a call on the same model is running on this thread already.
+            RuntimeError: a driver call is running on this thread already.
         """
         base = base_model(self.model)
-        with one_call_at_a_time(base, "generate"):
+        with one_call_at_a_time("generate()"):
             check_materialized(self.model)
             vocab_size = base.get_output_embeddings().weight.shape[0]       # read at every call: embeddings resize
             requests = build_requests(prompts, params, seed, vocab_size, base.generation_config)
@@ -212,7 +200,7 @@ class SyncCBDriver:
 
     def release(self, keep_graphs: bool = False) -> None:
         """Free the KV cache for training, and the captured graphs unless keep_graphs; the next generate() allocates
-        the cache again. Waits for a generate() running on another thread.
+        the cache again. Waits for a driver call running on another thread.
 
         Args:
             keep_graphs: keep the captured decode graphs (their memory: one decode step's activations per bucket, in
@@ -222,9 +210,9 @@ class SyncCBDriver:
                 graphs keep the token ids that penalties read (8 bytes a cache slot, `sampling.penalties.TokenHistory`).
 
         Raises:
-            RuntimeError: a call on the same model is running on this thread already.
+            RuntimeError: a driver call is running on this thread already.
         """
-        with one_call_at_a_time(base_model(self.model), "release"):
+        with one_call_at_a_time("release()"):
             self._release(keep_graphs)
 
     def _release(self, keep_graphs: bool) -> None:

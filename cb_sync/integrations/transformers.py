@@ -33,10 +33,7 @@ import torch
 from transformers import GenerationConfig
 
 # transformers' own output type, so consumers of generate_batch work unchanged
-from transformers.generation.continuous_batching.requests import (
-    GenerationOutput,
-    RequestStatus,
-)
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..config import CBConfig, SamplingParams, as_int
 from ..engine.driver import SyncCBDriver

@@ -106,8 +106,9 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "_hf_hook", None) or module._forward_hooks or module._forward_pre_hooks)
 
 
-def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning) -> KernelAdapter | None:
-    """The one active adapter when the kernel computes PEFT's result, else None.
+def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning, differentiable) -> KernelAdapter | None:
+    """The one active adapter when the kernel computes PEFT's result, else None (also where gradients are wanted and
+    no differentiable op was given: the kernel's ops have no backward).
 
     Under autocast PEFT's A and B products run in the autocast dtype, so the kernel rounds to it.
     """
@@ -131,7 +132,7 @@ def _kernel_adapter(module, x: torch.Tensor, tuning: LoraTuning) -> KernelAdapte
             or weights[0].dtype != weights[1].dtype or weights[0].dtype not in KERNEL_DTYPES
             or x.dtype not in KERNEL_DTYPES or any(w.device != x.device for w in weights)
             or weights[0].shape[1] != x.shape[-1] or weights[0].shape[0] > MAX_RANK
-            or (_wants_grad(x, *weights, base.weight, base.bias) and not tuning.fixed_tiling)):
+            or (_wants_grad(x, *weights, base.weight, base.bias) and differentiable is None)):
         return None
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weights[0].dtype
@@ -165,7 +166,7 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
     ints = tuning.ints()
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        adapter = None if args or kwargs else _kernel_adapter(module, x, tuning)
+        adapter = None if args or kwargs else _kernel_adapter(module, x, tuning, differentiable)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
         base = module.base_layer
@@ -178,7 +179,7 @@ def _kernel_forward(module, peft_forward, group: _SharedInput, index: int, tunin
         members = {index: adapter}
         base_kind = _base_kind(base, x) if tuning.fixed_tiling else None
         for other_index, other in enumerate(group.modules):
-            other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning)
+            other_adapter = None if other_index == index else _kernel_adapter(other, x, tuning, differentiable)
             same_dtypes = other_adapter is not None and other_adapter.lora_a.dtype == adapter.lora_a.dtype
             if same_dtypes and other_adapter.compute_dtype == adapter.compute_dtype and (
                     base_kind is None or _base_kind(other.base_layer, x) == base_kind):

@@ -64,7 +64,7 @@ def _attention_setter(base: PreTrainedModel, modules: list[torch.nn.Module]) -> 
 def generation_mode(model: torch.nn.Module):
     """Run the model with paged attention, in eval and inference mode, its rotary tables computed once per compiled
     step (`rotary`); restore every module's training flag, the attention implementation and the rotary modules
-    afterwards, also when the body raises. Yields the model's modules (`patching.module_list`), walked once a call."""
+    afterwards, also when the body raises. Yields the model's modules (`swaps.module_list`), walked once a call."""
     base = base_model(model)
     modules = module_list(model)
     training = {id(module) for module in modules if module.training}

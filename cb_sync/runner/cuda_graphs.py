@@ -107,11 +107,11 @@ class DecodeReplay:
         self.graphs = DecodeGraphs(cache.device)
         self.width = 0                  # block table columns of the static buffers
         self.recorded = None            # what this call's graphs record besides the forward (`begin_call`)
-        self.penalties = self.history = None        # this call's penalty terms and the token history they read
+        self.history = None             # the token history this call's penalties read (None: no penalties)
         self.latest = None              # the output launched last
         self.warmup_seconds = 0.0       # uncaptured first runs per bucket: compile, autotune, lazy init
 
-    def begin_call(self, max_blocks_per_request: int, modules: list, penalties=None, history=None) -> None:
+    def begin_call(self, max_blocks_per_request: int, modules: list, penalties, history) -> None:
         """Widen the static buffers where a request needs more blocks, take those of the call's penalty terms
         (`runner.ModelRunner.begin_call`); drop the graphs if what they recorded changed (weights, adapters, buffers,
         autocast state, a failed compile, the token history's place, and the cache pools' addresses unless the
@@ -119,7 +119,7 @@ class DecodeReplay:
         if max_blocks_per_request > self.width:
             self.width = 1 << (max_blocks_per_request - 1).bit_length()
             self._allocate_buffers()
-        self.penalties, self.history = penalties, history
+        self.history = history
         if penalties not in self.buffer_sets:
             n = self.max_batch
             self.buffer_sets[penalties] = StepBuffers(n, n, self.width, n, n, self.cache.device, 2, penalties)
@@ -138,8 +138,7 @@ class DecodeReplay:
 
     def _allocate_buffers(self) -> None:
         n, device = self.max_batch, self.cache.device
-        self.buffers = StepBuffers(n, n, self.width, n, n, device, mirrors=2)
-        self.buffer_sets = {None: self.buffers}     # by PenaltyKind: the static buffers of a call's steps
+        self.buffer_sets = {}           # by PenaltyKind (None: no penalties): the static buffers of a call's steps
         self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(n, device=device)
         self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
@@ -153,7 +152,8 @@ class DecodeReplay:
 
     def graph_key(self, bucket: int, kind: SamplerKind) -> tuple:
         """A graph per bucket and sampler kind, and per penalty kind in calls whose requests use penalties."""
-        return (bucket, kind) if self.penalties is None else (bucket, kind, self.penalties)
+        penalties = self.buffers.penalties
+        return (bucket, kind) if penalties is None else (bucket, kind, penalties)
 
     def decode_step(self, bucket: int, kind: SamplerKind) -> None:
         """The decode step on the first `bucket` rows of the static buffers (what a graph records)."""

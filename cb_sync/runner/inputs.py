@@ -10,20 +10,9 @@ import torch
 
 from ..attention import AttnMetadata
 from ..engine.request import Request
-from ..sampling.penalties import (
-    PENALTY_COLUMNS,
-    PENALTY_PADDING,
-    PenaltyBatch,
-    PenaltyKind,
-    TokenHistory,
-    penalty_columns,
-)
-from ..sampling.sampler import (
-    SAMPLING_COLUMNS,
-    SamplerKind,
-    SamplingBatch,
-    sampling_columns,
-)
+from ..sampling.penalties import (PENALTY_COLUMNS, PENALTY_PADDING, PenaltyBatch, PenaltyKind, TokenHistory,
+                                  penalty_columns)
+from ..sampling.sampler import SAMPLING_COLUMNS, SamplerKind, SamplingBatch, sampling_columns
 
 ALIGN = 16     # bytes: every field starts where vectorised loads may assume alignment
 _TOKEN_FIELDS = ("input_ids", "positions", "slots")          # one entry a token of the step

@@ -146,7 +146,7 @@ def chosen_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_draws(scores: torch.Tensor) -> bool:
-    """Whether `gumbel_kernel` draws: on NVIDIA GPUs, where its log is CUDA's logf, as torch's."""
+    """Whether `draw_kernel` draws: on NVIDIA GPUs, where its log is CUDA's logf, as torch's."""
     return scores.is_cuda and torch.version.hip is None
 
 
@@ -155,11 +155,9 @@ def _gumbel_argmax(scores: torch.Tensor, batch: SamplingBatch, token_ids: torch.
     """Index of max(scores + Gumbel noise) per row: a draw from softmax(scores). token_ids: the ids of scores'
     columns [S, N], None for the vocabulary in order. Where the columns are the whole vocabulary, each id is hashed
     once for all rows (a table, gathered for permuted rows): the same noise at a fraction of the work. On CUDA, the
-    Triton kernel of `gumbel_kernel` draws the same noise."""
+    Triton kernel of `draw_kernel` draws the same noise."""
     if _kernel_draws(scores):
-        from .draw_kernel import (
-            gumbel_argmax,  # Triton: a GPU install's (`cb_sync[gpu]`), imported where used
-        )
+        from .draw_kernel import gumbel_argmax     # Triton: a GPU install's (`cb_sync[gpu]`), imported where used
         return gumbel_argmax(scores, batch.seeds, batch.positions, token_ids)
     n = scores.shape[1]
     if token_ids is not None and n != vocab:

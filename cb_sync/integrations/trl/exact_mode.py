@@ -11,11 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...batch_invariant.ops import check_model
-from ...batch_invariant.trainer import (
-    invariant_logits,
-    invariant_logprobs,
-    invariant_training,
-)
+from ...batch_invariant.trainer import invariant_logits, invariant_logprobs, invariant_training
 from ...config import CBConfig
 from ...model_patching.swaps import base_model, module_list
 

@@ -10,13 +10,7 @@ from __future__ import annotations
 import torch
 
 from .attention_warmup import AttentionWarmup, prefers_cudnn_attention
-from .length_groups import (
-    clear_of_faulty_width,
-    has_learned_positions,
-    left_padded,
-    padding_columns,
-    right_extended,
-)
+from .length_groups import clear_of_faulty_width, has_learned_positions, left_padded, padding_columns, right_extended
 
 
 def warmed_logps_and_entropies(trl_forward, model, input_ids, attention_mask, logits_to_keep, batch_size=None, *args,
