@@ -5,6 +5,8 @@ trainer against TRL's own generation paths and Unsloth, one backend after the ot
         [--steps 10] [--warmup 3] [--time-limit S] [--name grpo_g] [--out DIR] [cb_sync's trainer options]
     python -m benchmarks grpo --backends cb_sync_compiled --synthetic-rollouts   # the training half alone
     python -m benchmarks grpo --backends cb_sync_compiled --ranks 1 2           # data parallel (accelerate launch)
+    python -m benchmarks grpo --backends cb_sync_compiled --steps 100           # a soak: drift, GC pauses
+    python -m benchmarks grpo --isolate --backends cb_sync_compiled --warm-rerun  # first steps, cold and warm caches
     python -m benchmarks grpo --from-json A.json B.json --name NAME              # merge the rows of several runs
     python -m benchmarks grpo --tiny --out DIR                                   # CPU plumbing
 
@@ -32,6 +34,12 @@ tokens came back the same and `rollout_vs_driver`. --synthetic-rollouts replaces
 completions of the workload's lengths (the same for every run): the training half alone, for A/Bs of the trainer's
 options on the same rows. --ranks N: each rank trains a replica on its own GPU with the workload's load (N x the
 prompts a step), gradients averaged by DDP; a row each N (steps: the slowest rank).
+
+Every row has the time to its first optimizer step's end from its process's start (`first_step_s`; from the
+backend's own start where another backend ran before it in the process: --isolate gives each its own), the drift
+from its first to its last --drift-window timed steps, and the garbage collector's runs in each step and between
+steps. --warm-rerun starts the run's processes on empty Inductor and Triton caches of its own and runs cb_sync's
+modes once more at the end, on the caches their first run left.
 """
 
 from __future__ import annotations
@@ -56,9 +64,11 @@ import torch
 from transformers import TrainerCallback
 
 from benchmarks import peers
-from benchmarks.grpo_stats import REFERENCE, GRPOStats, compare, fingerprint, gate_lines, plot, report, summary_table
+from benchmarks.grpo_stats import (REFERENCE, GRPOStats, compare, fingerprint, gate_lines, plot, report, soak_fields,
+                                   summary_table)
 from benchmarks.harness import (CB_MODES, RESULTS, SHAPES, TOKENIZER_WORDS, build_model, cb_config, free_cached_memory,
-                                lora_config, make_tokenizer, mode_flags, read_rows, run_child, write_results)
+                                gc_pauses, lora_config, make_tokenizer, mode_flags, read_rows, run_child,
+                                since_process_start, write_results)
 
 OUT = RESULTS / "grpo"
 IN_PROCESS = (*CB_MODES, "trl_generate", "trl_cb")
@@ -192,17 +202,29 @@ def build(args, tokenizer, stops: list[int] | None):
     return model
 
 
+# TRL 1.16's GRPOConfig defaults, given explicitly to every backend: Unsloth's patched GRPOConfig (unsloth/models/rl.py)
+# has other defaults for these fields, and every backend must train alike. epsilon_high: TRL's None means epsilon
+# (0.2), and an explicit loss_type makes Unsloth's None 0.28 (and mask_truncated_completions True); generation_kwargs:
+# TRL reads None and {} alike. router_aux_loss_coef (Unsloth 0.0, TRL None) weighs an MoE loss: the models are dense.
+TRL_DEFAULTS = dict(
+    optim="adamw_torch_fused", weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
+    loss_type="dapo", epsilon_high=0.2, mask_truncated_completions=False, vllm_importance_sampling_correction=True,
+    fp16=False, logging_nan_inf_filter=True, torch_empty_cache_steps=None, per_device_eval_batch_size=8,
+    eval_accumulation_steps=None, include_num_input_tokens_seen="no", auto_find_batch_size=False,
+    dataloader_pin_memory=True, vllm_mode="colocate", generation_kwargs={})
+TRL_SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)   # under the workload's
+
+
 def grpo_config(args, output_dir: str, **extra):
     from trl import GRPOConfig
     work = args.work
-    return GRPOConfig(
+    fields = dict(
         output_dir=output_dir, num_generations=work.num_generations, per_device_train_batch_size=work.micro_batch,
-        gradient_accumulation_steps=work.rollout // work.micro_batch, **work.sampling,
-        max_completion_length=args.max_completion, beta=args.beta, learning_rate=5e-6, logging_steps=1, report_to=[],
-        max_steps=args.steps, seed=args.seed, data_seed=args.seed, save_strategy="no", bf16=not args.tiny,
-        use_cpu=args.tiny, disable_tqdm=True, dataloader_num_workers=0,
-        # TRL's defaults, set explicitly: Unsloth's patched GRPOConfig has others, and every backend trains alike
-        optim="adamw_torch_fused", weight_decay=0.0, lr_scheduler_type="linear", **extra)
+        gradient_accumulation_steps=work.rollout // work.micro_batch, max_completion_length=args.max_completion,
+        beta=args.beta, learning_rate=5e-6, logging_steps=1, report_to=[], max_steps=args.steps, seed=args.seed,
+        data_seed=args.seed, save_strategy="no", bf16=not args.tiny, use_cpu=args.tiny, disable_tqdm=True,
+        dataloader_num_workers=0)
+    return GRPOConfig(**{**TRL_DEFAULTS, **TRL_SAMPLING, **work.sampling, **fields, **extra})
 
 
 def stop_ids(args, tokenizer) -> list[int] | None:
@@ -218,13 +240,19 @@ def cb_trainer(backend: str, args, callbacks: list, **common):
     return CBSyncGRPOTrainer(args=grpo_config(args, common.pop("output_dir")), cb_config=config, callbacks=callbacks,
                              release_after_rollout=AUTO_ON_OFF[args.cb_release_cache],
                              group_by_length=AUTO_ON_OFF[args.cb_group_by_length],
-                             compile_layers=args.cb_compile_layers, **common)
+                             compile_layers=args.cb_compile_layers, freeze_gc=args.cb_freeze_gc == "on", **common)
+
+
+TRAINED_IN_THIS_PROCESS = []      # backends run_backend ran here: the first one's first step counts from process start
 
 
 def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: float | None = None) -> None:
-    """Train `backend` for args.steps steps (fewer if the deadline comes first), filling row as steps finish."""
+    """Train `backend` for args.steps steps (fewer if the deadline comes first), filling row as steps finish; the time
+    to its first step from the process's start (or, after another backend in this process, from its own start)."""
     from transformers import PrinterCallback
     from trl import GRPOTrainer
+    began = 0.0 if not TRAINED_IN_THIS_PROCESS else since_process_start()
+    TRAINED_IN_THIS_PROCESS.append(backend)
     rank = os.environ.get("RANK", "") if args.ranks_dir is not None else ""
     stats = GRPOStats(backend, path=(args.ranks_dir or args.out) / f"{args.name}_{backend}{rank}.json",
                       deadline=deadline, cuda=not args.tiny, verbose=rank in ("", "0"))
@@ -242,7 +270,8 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
             if backend in CB_MODES:
                 trainer = cb_trainer(backend, args, [stats, calls, StopTogether()], output_dir=tmp, **common)
                 row.update(cb_group_by_length=getattr(trainer, "group_by_length", None),
-                           cb_release_cache=args.cb_release_cache, cb_compile_layers=args.cb_compile_layers)
+                           cb_release_cache=args.cb_release_cache, cb_compile_layers=args.cb_compile_layers,
+                           cb_freeze_gc=args.cb_freeze_gc)
             elif backend in peers.GRPO_PEERS:       # from a saved copy, as TRL + vLLM and Unsloth load one
                 common["model"] = peers.save_model(model, tokenizer, Path(tmp) / "model")
                 model = None
@@ -262,7 +291,8 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                 trainer._generate_single_turn = SyntheticRollouts(args.work, args.max_completion, tokenizer, stops,
                                                                   args.seed)
             row["build_s"] = stats.extra["build_s"] = round(time.perf_counter() - start, 2)
-            with calls.recording() if backend in CB_MODES else contextlib.nullcontext():
+            with calls.recording() if backend in CB_MODES else contextlib.nullcontext(), gc_pauses() as pauses:
+                stats.pauses = pauses
                 trainer.train()
             forwards.add_to(stats.rows)
             if calls.last is not None:
@@ -275,6 +305,9 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                 row["final_fingerprint"] = fingerprint(trainer.model)
     finally:
         row["init_fingerprint"] = stats.init_fingerprint
+        if stats.rows:
+            row.update(first_step_s=round(stats.rows[0]["at_s"] - began, 1),
+                       first_step_from="backend start" if began else "process start")
         stats.extra.update({k: v for k, v in row.items() if k != "per_step"})
         if stats.stopped_early:
             row["stopped_early"] = True
@@ -423,8 +456,9 @@ class StopTogether(TrainerCallback):
 
 # -- rows ---------------------------------------------------------------------------------------------------------
 
-def summarize(row: dict, warmup: int) -> None:
-    """Add the medians (without the warm-up steps) of the steps that finished; none: nothing to add."""
+def summarize(row: dict, warmup: int, drift_window: int = 10) -> None:
+    """Add the medians (without the warm-up steps) of the steps that finished, their drift and the garbage
+    collector's runs (`soak_fields`); none: nothing to add."""
     steps = row.get("per_step")
     if not steps:
         return
@@ -453,6 +487,7 @@ def summarize(row: dict, warmup: int) -> None:
         row.update(len_count=len(lengths), len_mean=round(statistics.mean(lengths), 1),
                    len_p50=statistics.median(lengths), len_max=lengths[-1],
                    len_p90=lengths[min(len(lengths) - 1, math.ceil(0.9 * len(lengths)) - 1)])
+    row.update(soak_fields(steps, warmup, drift_window))
     if row.get("driver_alone_s"):
         row["rollout_vs_driver"] = round(row["last_rollout_s"] / row["driver_alone_s"], 3)
     if "ranks" in row:
@@ -500,8 +535,10 @@ def child_argv(args, backend: str, time_limit: float | None) -> list[str]:
             "--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-completion",
             str(args.max_completion), "--shots", *map(str, shots), "--beta", str(args.beta), "--seed", str(args.seed),
             "--kl-atol", str(args.kl_atol), "--kl-rtol", str(args.kl_rtol), "--sdpa-cudnn", args.sdpa_cudnn,
+            "--drift-window", str(args.drift_window),
             "--unsloth-site", str(args.unsloth_site), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens),
-            "--cb-release-cache", args.cb_release_cache, "--cb-group-by-length", args.cb_group_by_length]
+            "--cb-release-cache", args.cb_release_cache, "--cb-group-by-length", args.cb_group_by_length,
+            "--cb-freeze-gc", args.cb_freeze_gc]
     argv += ["--tiny"] * args.tiny + ["--cb-compile-layers"] * args.cb_compile_layers
     argv += ["--synthetic-rollouts"] * args.synthetic_rollouts
     return argv + ([] if time_limit is None else ["--time-limit", f"{max(time_limit, 1.0):.0f}"])
@@ -531,10 +568,15 @@ def parse_args(argv=None):
     parser.add_argument("--cb-group-by-length", choices=list(AUTO_ON_OFF), default="auto",
                         help="group_by_length None / True / False")
     parser.add_argument("--cb-compile-layers", action="store_true", help="CBSyncGRPOTrainer(compile_layers=True)")
+    parser.add_argument("--cb-freeze-gc", choices=["on", "off"], default="on", help="CBSyncGRPOTrainer(freeze_gc=...)")
     parser.add_argument("--synthetic-rollouts", action="store_true", help="random completions: the training half")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1], help="processes (GPUs) a cb_sync run, in turn")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for all backends: each gets an equal share of what is left")
+    parser.add_argument("--isolate", action="store_true", help="every backend in a process of its own (the peers are)")
+    parser.add_argument("--warm-rerun", action="store_true",
+                        help="cb_sync's modes from empty compile caches, then once more with the caches they left")
+    parser.add_argument("--drift-window", type=int, default=10, help="timed steps compared at each end of a run")
     parser.add_argument("--unsloth-site", default=peers.UNSLOTH_SITE, help="Unsloth's own target directory")
     parser.add_argument("--from-json", nargs="+", type=Path, default=None, metavar="FILE", help="merge runs' rows")
     parser.add_argument("--row-file", type=Path, default=None, help=argparse.SUPPRESS)     # a backend's own process
@@ -559,15 +601,12 @@ def settings(args, tokenizer, dataset) -> dict:
     """The run's settings, in every row."""
     work = args.work
     lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in dataset["prompt"]]
-    from trl import GRPOConfig
-    defaults = GRPOConfig.__dataclass_fields__
     return {"workload": work.name, "model": "qwen3-tiny" if args.tiny else f"{args.model}-shape", "lora": True,
             "batch": work.rollout, "prompts": work.prompts, "num_generations": work.num_generations,
             "micro_batch": work.micro_batch, "prompt_len": lengths[0], "prompt_len_min": min(lengths),
             "prompt_len_max": max(lengths), "new_tokens": args.max_completion, "shots": args.shots,
             "stop_tokens": len(stop_ids(args, tokenizer) or []), "vocab": len(tokenizer),
-            "sampling": {k: work.sampling.get(k, defaults[k].default) for k in ("temperature", "top_p", "top_k",
-                                                                                 "min_p")},
+            "sampling": {k: work.sampling.get(k, TRL_SAMPLING[k]) for k in ("temperature", "top_p", "top_k", "min_p")},
             "steps": args.steps, "warmup": args.warmup, "beta": args.beta, "seed": args.seed,
             "sdpa_cudnn": args.sdpa_cudnn, "synthetic_rollouts": args.synthetic_rollouts}
 
@@ -616,7 +655,7 @@ def merge_runs(args) -> list[dict]:
     """--from-json: one report of several runs' rows (a backend's first row that ran), gated together."""
     merged: dict[tuple, dict] = {}
     for row in read_rows(args.from_json):
-        key = (row["engine"], row.get("ranks", 1))
+        key = (row["engine"], row.get("ranks", 1), row.get("compile_caches"))
         if key not in merged or (row.get("per_step") and not merged[key].get("per_step")):
             merged[key] = row
     rows = list(merged.values())
@@ -626,46 +665,86 @@ def merge_runs(args) -> list[dict]:
     return rows
 
 
+def jobs_of(args) -> list[tuple[str, int, str | None]]:
+    """(backend, ranks, compile caches) of every job in turn. --warm-rerun: cb_sync's modes start from empty compile
+    caches ("cold") and run once more at the end ("warm"), each in a process of its own."""
+    cold = "cold" if args.warm_rerun else None
+    jobs = [(b, n, cold if b in CB_MODES else None) for b in args.backends for n in (args.ranks if b in CB_MODES
+                                                                                       else [1])]
+    return jobs + [(b, 1, "warm") for b in args.backends if b in CB_MODES and args.warm_rerun]
+
+
+@contextlib.contextmanager
+def fresh_compile_caches(wanted: bool):
+    """Inductor's and Triton's caches in a new directory for the block, which every child process inherits (the
+    first process to compile starts cold, the next finds what it left); nothing where not wanted."""
+    if not wanted:
+        yield
+        return
+    root = Path(tempfile.mkdtemp(prefix="grpo_compile_caches_"))
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"), TRITON_CACHE_DIR=str(root / "triton"))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run(args, tokenizer, dataset, base: dict) -> list[dict]:
-    jobs = [(b, n) for b in args.backends for n in (args.ranks if b in CB_MODES else [1])]
-    runnable = [job for job in jobs if peers.skip_reason(job[0], args) is None]
+    jobs = jobs_of(args)
+    runnable = [i for i, job in enumerate(jobs) if peers.skip_reason(job[0], args) is None]
     rows: list[dict] = []
     start = time.perf_counter()
     try:
-        for backend, ranks in jobs:
-            rows.append({"engine": backend, **base, **mode_flags(backend), **({"ranks": ranks} if
-                                                                                args.ranks != [1] else {})})
-            reason = peers.skip_reason(backend, args)
-            if reason is not None:
-                rows[-1]["skipped"] = reason
-                print(f"[{backend}] skipped: {reason}", flush=True)
-                continue
-            deadline = None
-            if args.time_limit is not None:   # an equal share of what is left to each job still to run
-                now = time.perf_counter()
-                deadline = now + (start + args.time_limit - now) / (len(runnable) - runnable.index((backend, ranks)))
-            try:
-                if ranks > 1:
-                    run_ranks(backend, ranks, args, rows[-1], deadline)
-                elif backend in peers.GRPO_PEERS and args.row_file is None:
-                    peers.run_grpo_peer(backend, child_argv(args, backend, None if deadline is None else
-                                                            deadline - time.perf_counter()), args, rows[-1])
-                else:
-                    run_backend(backend, args, tokenizer, dataset, rows[-1], deadline)
-            except Exception as error:          # one failing backend must not stop the others
-                traceback.print_exc()
-                rows[-1]["error"] = repr(error)[:2000]
-            summarize(rows[-1], args.warmup)
-            if args.row_file is None and args.ranks_dir is None:
-                (args.out / f"{args.name}_{backend}.json").unlink(missing_ok=True)   # its steps are in the row
-            free_cached_memory()
-            save(args, rows)                     # after every backend: a run cut short keeps what it measured
+        with fresh_compile_caches(args.warm_rerun and args.row_file is None):
+            for i, (backend, ranks, caches) in enumerate(jobs):
+                rows.append({"engine": backend, **base, **mode_flags(backend),
+                             **({"ranks": ranks} if args.ranks != [1] else {}),
+                             **({"compile_caches": caches} if caches else {})})
+                reason = peers.skip_reason(backend, args)
+                if reason is not None:
+                    rows[-1]["skipped"] = reason
+                    print(f"[{backend}] skipped: {reason}", flush=True)
+                    continue
+                deadline = None
+                if args.time_limit is not None:   # an equal share of what is left to each job still to run
+                    now = time.perf_counter()
+                    deadline = now + (start + args.time_limit - now) / sum(j >= i for j in runnable)
+                run_job(backend, ranks, caches, args, tokenizer, dataset, rows[-1], deadline)
+                summarize(rows[-1], args.warmup, args.drift_window)
+                if args.row_file is None and args.ranks_dir is None:
+                    (args.out / f"{args.name}_{backend}.json").unlink(missing_ok=True)   # its steps are in the row
+                free_cached_memory()
+                save(args, rows)                     # after every backend: a run cut short keeps what it measured
     except KeyboardInterrupt:                    # e.g. `timeout -s INT`: keep what was measured, run nothing more
         if rows and "step_ms" not in rows[-1] and "skipped" not in rows[-1]:
             rows[-1].setdefault("error", "interrupted")
-            summarize(rows[-1], args.warmup)
-        rows += [{"engine": b, **base, "skipped": "not reached: the run was interrupted"} for b, _ in jobs[len(rows):]]
+            summarize(rows[-1], args.warmup, args.drift_window)
+        rows += [{"engine": b, **base, "skipped": "not reached: the run was interrupted"}
+                 for b, _, _ in jobs[len(rows):]]
     return rows
+
+
+def run_job(backend: str, ranks: int, caches: str | None, args, tokenizer, dataset, row: dict,
+            deadline: float | None) -> None:
+    """One job: on `ranks` processes, in a process of its own (the peers; every backend with --isolate; cb_sync's
+    modes with --warm-rerun) or here; its failure is its row's error."""
+    try:
+        if ranks > 1:
+            run_ranks(backend, ranks, args, row, deadline)
+        elif args.row_file is None and (backend in peers.GRPO_PEERS or args.isolate or caches is not None):
+            peers.run_grpo_peer(backend, child_argv(args, backend, None if deadline is None else
+                                                    deadline - time.perf_counter()), args, row)
+        else:
+            run_backend(backend, args, tokenizer, dataset, row, deadline)
+    except Exception as error:          # one failing backend must not stop the others
+        traceback.print_exc()
+        row["error"] = repr(error)[:2000]
 
 
 def main(argv=None) -> list[dict]:

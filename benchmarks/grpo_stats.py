@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-from benchmarks.harness import markdown_table, pyplot
+from benchmarks.harness import markdown_table, pyplot, since_process_start
 
 REFERENCE = "trl_generate"
+GC_PAUSE_LIMIT_S = 0.1      # no step should carry a run of the garbage collector longer than this
 LOGGED = {  # row key -> key in TRL's logs
     "loss": "loss", "reward": "reward", "reward_std": "reward_std", "kl": "kl", "grad_norm": "grad_norm",
     "entropy": "entropy", "completion_len": "completions/mean_length", "clipped_ratio": "completions/clipped_ratio",
@@ -34,7 +36,10 @@ class GRPOStats(TrainerCallback):
     """A row an optimizer step in `rows`: wall time (the device synchronised), rollout time (`timed` wraps TRL's
     `_generate`), every completion's length (`counted`), torch's peak memory (reset each step), the card's memory in
     use (every process and pool: vLLM's are not in torch's counters; sampled after each rollout, each call wrapped
-    with `sampled` and at the step's end), and what TRL logs. It fingerprints the trainable weights at train begin
+    with `sampled` and at the step's end), when the step ended (`at_s`, seconds since the process started), the
+    garbage collector's runs in the step (`gc_s`, `gc_max_s`, `gc_runs`) and between it and the step before
+    (`gc_between_s`, `gc_between_max_s`), read from `pauses` (harness.gc_pauses' list, set while training), and
+    what TRL logs. It fingerprints the trainable weights at train begin
     (runs can show they started alike) and, given a `deadline` (perf_counter), stops after the step whose successor
     would end past it, once `min_steps` are done. `write()` dumps {"backend", **extra, "steps": rows} to `path`."""
 
@@ -49,6 +54,8 @@ class GRPOStats(TrainerCallback):
         self.init_fingerprint: dict | None = None
         self._t0 = self._gen_s = 0.0
         self._card = self._lens = None
+        self.pauses: list[tuple[float, float]] = []
+        self._ended = self._began = 0       # pauses seen at the last step's end, at this step's begin
 
     def timed(self, fn):
         def wrapper(*args, **kwargs):
@@ -99,6 +106,7 @@ class GRPOStats(TrainerCallback):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._gen_s, self._card, self._lens = 0.0, None, None
+        self._began = len(self.pauses)
         self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -107,7 +115,10 @@ class GRPOStats(TrainerCallback):
         end = self.sample_card()
         self.rows.append({"step": state.global_step, "step_s": step_s, "gen_s": self._gen_s,
                           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None,
-                          "card_gib": self._card, "card_end_gib": end})
+                          "card_gib": self._card, "card_end_gib": end, "at_s": since_process_start(),
+                          **gc_fields(self.pauses[self._began:]),
+                          **gc_fields(self.pauses[self._ended:self._began], "gc_between")})
+        self._ended = len(self.pauses)
         if self._lens is not None:
             self.rows[-1]["completion_lens"] = self._lens
         if (self.deadline is not None and len(self.rows) >= self.min_steps and state.global_step < state.max_steps
@@ -133,6 +144,35 @@ class GRPOStats(TrainerCallback):
     def write(self, path: Path | None = None) -> None:
         Path(path or self.path).write_text(json.dumps({"backend": self.backend, **self.extra, "steps": self.rows},
                                                       indent=1))
+
+
+def gc_fields(pauses: list[tuple[float, float]], prefix: str = "gc") -> dict:
+    seconds = [s for _, s in pauses]
+    fields = {f"{prefix}_s": sum(seconds), f"{prefix}_max_s": max(seconds, default=0.0)}
+    return fields if prefix != "gc" else {**fields, "gc_runs": len(seconds)}
+
+
+def soak_fields(steps: list[dict], warmup: int, window: int) -> dict:
+    """How a run held up. `drift`: the first `window` timed steps against the last `window` (at most half the timed
+    steps each): median step ms, and the largest of torch's peak and of the card's memory in each. The garbage
+    collector: its longest run inside a step (every step, and the timed ones), the steps with a run over
+    GC_PAUSE_LIMIT_S, and its longest run between steps (where the trainer may collect on purpose)."""
+    timed = steps[warmup:] or steps
+    n, fields = min(window, len(timed) // 2), {}
+    if n:
+        def largest(part, key):
+            values = [s[key] for s in part if s.get(key) is not None]
+            return round(max(values), 2) if values else None
+        ends = (timed[:n], timed[-n:])
+        fields["drift"] = {"window": n, "step_ms": [round(1000 * statistics.median(s["step_s"] for s in part), 1)
+                                                    for part in ends],
+                           **{key: [largest(part, key) for part in ends] for key in ("peak_gib", "card_gib")}}
+    if steps and all("gc_max_s" in s for s in steps):
+        ms = lambda part, key: round(1000 * max(s[key] for s in part), 1)   # noqa: E731
+        fields.update(gc_max_ms=ms(steps, "gc_max_s"), gc_max_ms_timed=ms(timed, "gc_max_s"),
+                      gc_between_max_ms=ms(steps, "gc_between_max_s"),
+                      gc_steps_over_limit=[s["step"] for s in steps if s["gc_max_s"] > GC_PAUSE_LIMIT_S])
+    return fields
 
 
 def fingerprint(model) -> dict:
@@ -286,9 +326,8 @@ def summary_table(rows: list[dict]) -> str:
         steps = f"{len(r['per_step'])}/{r['steps']}" + (" (time limit)" if r.get("stopped_early") else "")
         alone = "-" if r.get("driver_alone_s") is None else (
             f"{1000 * r['driver_alone_s']:.1f} ({_fmt(r.get('rollout_vs_driver'), 3)}x)")
-        name = r["engine"] + (f" ({r['ranks']} ranks)" if "ranks" in r else "")
-        out.append([name, steps, r["step_ms"], r["gen_ms"], _fmt(r.get("rollout_tok_s")), alone, _fmt(r["peak_gib"]),
-                    _fmt(r.get("card_gib")), _fmt(r["mean_completion_len"]), _gap(r), verdict,
+        out.append([_name(r), steps, r["step_ms"], r["gen_ms"], _fmt(r.get("rollout_tok_s")), alone,
+                    _fmt(r["peak_gib"]), _fmt(r.get("card_gib")), _fmt(r["mean_completion_len"]), _gap(r), verdict,
                     ratios + (f" ({note})" if note else "")])
     return markdown_table(["backend", "steps", "median step ms", "median rollout ms", "rollout tok/s",
                            "driver alone ms (rollout / driver)", "peak GiB (torch)", "card GiB in use (max)",
@@ -296,9 +335,35 @@ def summary_table(rows: list[dict]) -> str:
                            "peer/cb_sync: step / rollout time; cb_sync/peer: memory"], out)
 
 
+def soak_table(rows: list[dict]) -> str:
+    """A line a backend that ran: time to its first step, drift from its first to its last timed steps, and the
+    garbage collector's longest runs."""
+    out = []
+    for r in rows:
+        if not r.get("per_step"):
+            continue
+        drift = r.get("drift") or {}
+        first = "-" if r.get("first_step_s") is None else f"{r['first_step_s']:.1f} (from {r['first_step_from']})"
+        over = r.get("gc_steps_over_limit")
+        out.append([_name(r), first, drift.get("window", "-"),
+                    *(" -> ".join(map(_fmt, drift[key])) if drift else "-" for key in ("step_ms", "peak_gib",
+                                                                                       "card_gib")),
+                    f"{_fmt(r.get('gc_max_ms'))} / {_fmt(r.get('gc_max_ms_timed'))}",
+                    "-" if over is None else ", ".join(map(str, over)) or "none", _fmt(r.get("gc_between_max_ms"))])
+    return markdown_table(["backend", "first step s", "window (steps)", "median step ms, first -> last window",
+                           "peak GiB (torch)", "card GiB in use", "longest GC run in a step ms (all / timed)",
+                           f"steps with a GC run > {1000 * GC_PAUSE_LIMIT_S:.0f} ms",
+                           "longest GC run between steps ms"], out)
+
+
+def _name(r: dict) -> str:
+    return r["engine"] + (f" ({r['ranks']} ranks)" if "ranks" in r else "") + (
+        " (second run, compile caches warm)" if r.get("compile_caches") == "warm" else "")
+
+
 def step_table(per_step: list[dict]) -> str:
     keys = ["step", "step_s", "gen_s", "peak_gib", "card_gib", "loss", "reward", "reward_std", "kl", "grad_norm",
-            "completion_len", "logp_gap_mean", "logp_gap_max", "is_ratio_mean", "forward_tokens"]
+            "completion_len", "logp_gap_mean", "logp_gap_max", "is_ratio_mean", "forward_tokens", "gc_max_s", "at_s"]
     cells = [[_fmt(r.get(k)) for k in keys] for r in per_step]
     if any("completion_lens" in r for r in per_step):       # EOS live: what each rollout generated
         keys = keys + ["completion_tokens", "len_max"]
@@ -311,6 +376,8 @@ def step_table(per_step: list[dict]) -> str:
 def report(rows: list[dict], title: str, settings: str) -> str:
     """<name>.md: what a step does, the summary, completion lengths, the gate, each backend's steps."""
     text = [title, "", settings, "", "## Summary", "", summary_table(rows)]
+    if any(r.get("per_step") for r in rows):
+        text += ["## Time to first step, drift and garbage-collection pauses", "", soak_table(rows)]
     ran = [r for r in rows if r.get("len_mean") is not None]
     if ran:
         text += ["## Completion lengths (every rollout)", "", markdown_table(

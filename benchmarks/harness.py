@@ -163,24 +163,45 @@ def timed(fn) -> tuple[float, float, float]:
     with gc_pauses() as pauses:
         seconds = cuda_seconds(fn)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    return seconds, peak, pauses[0]
+    return seconds, peak, sum(s for _, s in pauses)
 
 
 @contextlib.contextmanager
 def gc_pauses():
-    """A one-item list that holds, on leaving the block, the seconds the cyclic garbage collector ran within it."""
-    total, started = [0.0], []
+    """A list that holds every run of the cyclic garbage collector within the block as it ends: (its start in
+    perf_counter seconds, its seconds)."""
+    pauses, started = [], []
 
     def callback(phase, info):
         if phase == "start":
             started.append(time.perf_counter())
         elif started:
-            total[0] += time.perf_counter() - started.pop()
+            start = started.pop()
+            pauses.append((start, time.perf_counter() - start))
     gc.callbacks.append(callback)
     try:
-        yield total
+        yield pauses
     finally:
         gc.callbacks.remove(callback)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: its start time in /proc, 10 ms resolution; elsewhere since this
+    module was imported)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")      # field 22: start time, clock ticks after boot
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 0.0)
+    except (OSError, IndexError, ValueError, AttributeError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
+PROCESS_START = _IMPORTED - process_age_s()      # perf_counter's reading when this process started
+
+
+def since_process_start() -> float:
+    return time.perf_counter() - PROCESS_START
 
 
 def graph_us(step, launches: int, replays: int = 3) -> float:

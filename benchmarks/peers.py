@@ -210,13 +210,21 @@ def skip_reason(backend: str, args) -> str | None:
     return None
 
 
+def peer_config(backend: str, args, grpo_config, output_dir: str, stops):
+    """The peer's GRPOConfig: the run's (benchmarks.grpo.grpo_config, every default Unsloth changes given
+    explicitly), with TRL + vLLM's own arguments. Under Unsloth, trl.GRPOConfig is Unsloth's patched class."""
+    if backend == "unsloth":
+        return grpo_config(args, output_dir)
+    os.environ.update(distributed_env())         # before the config starts accelerate
+    return grpo_config(args, output_dir, **trl_vllm_kwargs(backend == "trl_vllm_sleep", stops))
+
+
 def grpo_trainer(backend: str, args, grpo_config, output_dir: str, stops, stats, **common):
     """The peer's trainer, in its own process, on the saved model `common["model"]` (a directory)."""
     from trl import GRPOTrainer
+    config = peer_config(backend, args, grpo_config, output_dir, stops)
     if backend == "unsloth":
-        return unsloth_trainer(args, grpo_config(args, output_dir), callbacks=[stats], **common)
-    os.environ.update(distributed_env())         # before the config starts accelerate
-    config = grpo_config(args, output_dir, **trl_vllm_kwargs(backend == "trl_vllm_sleep", stops))
+        return unsloth_trainer(args, config, callbacks=[stats], **common)
     trainer = GRPOTrainer(args=config, callbacks=[stats], **common)
     llm = trainer.vllm_generation.llm
     llm.generate = stats.sampled(llm.generate)    # the card's memory with the KV pool awake

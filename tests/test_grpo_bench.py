@@ -54,6 +54,10 @@ def test_tiny_run_trains_every_backend(tiny_run):
             assert s["completion_len"] == 8 and s["reward_std"] > 0 and s["kl"] >= 0   # EOS silenced: full length
             assert s["forward_tokens"] > 0
         assert row["step_ms"] > 0 and row["timed_steps"] == 2 and row["rollout_tok_s"] > 0
+        ends = [s["at_s"] for s in row["per_step"]]      # the soak's and the first step's figures
+        assert ends == sorted(ends) and row["first_step_s"] > 0 and row["drift"]["window"] == 1
+        assert all(s["gc_runs"] >= 0 and s["gc_max_s"] <= s["gc_s"] + 1e-9 for s in row["per_step"])
+    assert rows["trl_generate"]["first_step_from"] == "backend start"      # after cb_sync, in the same process
     cb = rows["cb_sync"]
     assert cb["driver_alone_s"] > 0 and cb["driver_alone_same_tokens"] is True
     assert cb["rollout_vs_driver"] == round(cb["last_rollout_s"] / cb["driver_alone_s"], 3)

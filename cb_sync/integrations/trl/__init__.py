@@ -10,6 +10,7 @@ modules being trained.
     attention_warmup.py       cuDNN attention's kernel builds, done before a forward's first use
     lora_input_casts.py       PEFT's LoRA input casts skipped where autocast undoes them
     training_step_compile.py  the decoder layers compiled for the training step
+    gc_points.py              the garbage collector's freezes, outside the steps
     exact_mode.py             CBConfig(batch_invariant=True) on the trainer's side
     checks.py                 what the trainer refuses before TRL builds anything
 """

@@ -14,7 +14,7 @@ from ...config import CBConfig
 
 
 def check_arguments(trl_args: tuple, trl_kwargs: dict, cb_config, release_after_rollout, importance_sampling_correction,
-                    log_logprob_diff, group_by_length, compile_layers) -> None:
+                    log_logprob_diff, group_by_length, compile_layers, freeze_gc) -> None:
     """ValueError for a CBSyncGRPOTrainer's arguments that cannot run (the trainer's own, and GRPOTrainer's
     `trl_args` and `trl_kwargs`), before any work."""
     if cb_config is not None and not isinstance(cb_config, CBConfig):
@@ -23,7 +23,8 @@ def check_arguments(trl_args: tuple, trl_kwargs: dict, cb_config, release_after_
         if not (value is None or isinstance(value, bool)):
             raise ValueError(f"{name} must be True, False or None, got {value!r}")
     for name, value in (("importance_sampling_correction", importance_sampling_correction),
-                        ("log_logprob_diff", log_logprob_diff), ("compile_layers", compile_layers)):
+                        ("log_logprob_diff", log_logprob_diff), ("compile_layers", compile_layers),
+                        ("freeze_gc", freeze_gc)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if compile_layers and cb_config is not None and cb_config.batch_invariant:

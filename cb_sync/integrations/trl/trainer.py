@@ -3,8 +3,8 @@
 The trainer overrides TRL's hooks and hands each job to a part of its own: the rollout to `CBSyncGeneration`
 (`generation`, also used by TRL's multi-turn tool loop through `_generate_single_turn`); the logprob forwards to
 `logprob_forwards` (with `length_groups` and `attention_warmup`) or, in the exact mode, to `exact_mode`; the logged
-logprob gap to `LogprobGap`; TRL's importance-sampling correction to `importance_sampling`. Everything else is TRL's
-own code.
+logprob gap to `LogprobGap`; TRL's importance-sampling correction to `importance_sampling`; the garbage collector's
+freezes, outside the steps, to `gc_points`. Everything else is TRL's own code.
 
 Several processes (accelerate, DDP): every rank keeps its own driver on its own replica and generates its own slice of
 the prompts; TRL seeds each process differently, so ranks do not duplicate samples; nothing is gathered for
@@ -24,6 +24,7 @@ from ..transformers import sampling_params_from_generation_config
 from . import exact_mode
 from .attention_warmup import AttentionWarmup
 from .checks import check_arguments, refuse_sharded_parameters
+from .gc_points import GcPoints
 from .generation import CBSyncGeneration
 from .importance_sampling import vllm_importance_sampling
 from .length_groups import by_length, length_groups_wanted
@@ -74,13 +75,17 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             `torch.compile` (False; `training_step_compile`): fewer, fused kernels, at the cost of compiles in the
             first steps; without dropout, values equal to the eager ones up to rounding. Not with
             batch_invariant=True, whose forwards run their own kernels.
+        freeze_gc: keep Python's garbage collector out of the steps (True; `gc_points`): what is alive when training
+            begins and after the first optimizer step is collected and frozen there, so later collections walk only
+            what the run made since; unfrozen when `train` returns or raises. Nothing is done where the collector is
+            disabled or objects were frozen already.
     """
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool | None = None,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
-                 group_by_length: bool | None = None, compile_layers: bool = False, **kwargs):
+                 group_by_length: bool | None = None, compile_layers: bool = False, freeze_gc: bool = True, **kwargs):
         check_arguments(args, kwargs, cb_config, release_after_rollout, importance_sampling_correction,
-                        log_logprob_diff, group_by_length, compile_layers)
+                        log_logprob_diff, group_by_length, compile_layers, freeze_gc)
         super().__init__(*args, **kwargs)
         self.cb_config = cb_config if cb_config is not None else CBConfig()
         self.importance_sampling_correction = importance_sampling_correction
@@ -89,6 +94,9 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self._attention_warmup = AttentionWarmup(self._tokenizer.pad_token_id, self.accelerator.autocast)
         self._compiled_layers = CompiledLayers() if compile_layers else None
         self._logprob_gap = LogprobGap(self.accelerator)
+        self._gc_points = GcPoints() if freeze_gc else None
+        if self._gc_points is not None:
+            self.add_callback(self._gc_points)
         refuse_sharded_parameters(self._dist.is_zero3, self._dist.is_fsdp)    # as accelerate set them up
         if getattr(self, "_is_vlm", False):
             raise ValueError("CBSyncGRPOTrainer supports text-only models; use TRL's vLLM backend for VLMs")
@@ -106,6 +114,10 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         params = sampling_params_from_generation_config(model, self.generation_config, logprobs=True,
                                                         vllm_options=True)[0]
         self.cb_generation = CBSyncGeneration(self.cb_config, params, release_after_rollout)
+
+    def train(self, *args, **kwargs):
+        with self._gc_points.training() if self._gc_points is not None else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
 
     @property
     def cb_driver(self) -> SyncCBDriver:
