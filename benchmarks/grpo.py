@@ -568,7 +568,7 @@ def parse_args(argv=None):
     parser.add_argument("--cb-group-by-length", choices=list(AUTO_ON_OFF), default="auto",
                         help="group_by_length None / True / False")
     parser.add_argument("--cb-compile-layers", action="store_true", help="CBSyncGRPOTrainer(compile_layers=True)")
-    parser.add_argument("--cb-freeze-gc", choices=["on", "off"], default="on", help="CBSyncGRPOTrainer(freeze_gc=...)")
+    parser.add_argument("--cb-freeze-gc", choices=["on", "off"], default="off", help="CBSyncGRPOTrainer(freeze_gc=...)")
     parser.add_argument("--synthetic-rollouts", action="store_true", help="random completions: the training half")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1], help="processes (GPUs) a cb_sync run, in turn")
     parser.add_argument("--time-limit", type=float, default=None,

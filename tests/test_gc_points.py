@@ -83,10 +83,10 @@ def test_the_trainer_freezes_around_its_steps_and_can_leave_it_out(tmp_path, eve
     def trainer(**kwargs):
         return CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction, args=grpo_args(tmp_path, max_steps=2),
                                  train_dataset=dataset(), processing_class=tokenizer(), callbacks=[Steps()], **kwargs)
-    on = trainer()
+    on = trainer(freeze_gc=True)
     on.train()
     assert events == ["collect", "freeze", "step 1", "collect", "freeze", "step 2"] and gc.get_freeze_count() == 0
-    off = trainer(freeze_gc=False)
+    off = trainer()                     # off by default
     assert off._gc_points is None and not any(isinstance(c, GcPoints) for c in off.callback_handler.callbacks)
     with pytest.raises(ValueError, match="freeze_gc must be True or False"):
         trainer(freeze_gc="yes")

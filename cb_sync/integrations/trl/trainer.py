@@ -75,7 +75,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             `torch.compile` (False; `training_step_compile`): fewer, fused kernels, at the cost of compiles in the
             first steps; without dropout, values equal to the eager ones up to rounding. Not with
             batch_invariant=True, whose forwards run their own kernels.
-        freeze_gc: keep Python's garbage collector out of the steps (True; `gc_points`): what is alive when training
+        freeze_gc: keep Python's garbage collector out of the steps (False; `gc_points`): what is alive when training
             begins and after the first optimizer step is collected and frozen there, so later collections walk only
             what the run made since; unfrozen when `train` returns or raises. Nothing is done where the collector is
             disabled or objects were frozen already.
@@ -83,7 +83,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool | None = None,
                  importance_sampling_correction: bool = False, log_logprob_diff: bool = True,
-                 group_by_length: bool | None = None, compile_layers: bool = False, freeze_gc: bool = True, **kwargs):
+                 group_by_length: bool | None = None, compile_layers: bool = False, freeze_gc: bool = False, **kwargs):
         check_arguments(args, kwargs, cb_config, release_after_rollout, importance_sampling_correction,
                         log_logprob_diff, group_by_length, compile_layers, freeze_gc)
         super().__init__(*args, **kwargs)
