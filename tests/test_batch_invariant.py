@@ -172,6 +172,7 @@ def _with_lora(model, targets=("q_proj", "k_proj", "v_proj", "down_proj")):
     return get_peft_model(model, config).eval()
 
 
+@pytest.mark.slow
 def test_through_the_kernels_a_request_is_bit_identical_alone_and_in_a_batch(monkeypatch):
     """bf16 (the LoRA kernel's single-product path: the interpreter's time) without the row-mean kernel (a program
     per row: tested below and on its own)."""
@@ -185,6 +186,7 @@ def test_through_the_kernels_a_request_is_bit_identical_alone_and_in_a_batch(mon
     assert results[2].token_ids == alone.token_ids and results[2].logprobs == alone.logprobs
 
 
+@pytest.mark.slow
 def test_through_the_kernels_the_trainer_gets_the_generators_logprobs(monkeypatch):
     """A sliding window and LoRA; the trainer's forward with gradients (the LoRA kernel's differentiable op)."""
     serve_kernels(monkeypatch)

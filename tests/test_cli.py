@@ -15,6 +15,7 @@ from cb_sync.cli import main, tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_command_line():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "cb_sync", "--version"], capture_output=True, text=True, env=env,
@@ -36,6 +37,7 @@ assert not any(name.split(".")[0] == "triton" for name in sys.modules)
 """
 
 
+@pytest.mark.slow
 def test_the_demo_runs_where_triton_is_not_installed():
     """The CPU quick start installs torch's CPU wheel and cb_sync without extras: no Triton."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

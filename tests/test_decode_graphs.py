@@ -330,6 +330,7 @@ def test_release_keeping_graphs_replays_them_only_over_a_cache_at_the_same_addre
     assert not graphs.graphs
 
 
+@pytest.mark.slow
 def test_release_keeping_graphs_follows_moved_pools_on_the_triton_backend():
     """The Triton backend's decode reads the pools through the cache's address table: kept graphs serve pools that
     come back elsewhere (the table rewritten), and the tokens are HF's."""

@@ -50,8 +50,8 @@ def _reference_flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=None, pa
     return out.view(q.shape) if single else out
 
 
-@pytest.mark.parametrize("replayed,compiled", [(True, False), (False, False),
-                                               pytest.param(True, True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("replayed,compiled", [(True, False), (False, False), (True, True)])
 def test_flash_prefill_sends_steps_with_prompt_tokens_to_flash_and_pure_decode_to_triton(monkeypatch, replayed,
                                                                                         compiled):
     """flash_prefill on the CPU, with flash_attn.cute's paged forward computed by the sdpa_paged reference: every

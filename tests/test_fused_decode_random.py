@@ -111,6 +111,7 @@ def test_fused_decode_matches_store_then_attend(seed):
     run_case(seed)
 
 
+@pytest.mark.slow
 @interpreted
 @pytest.mark.parametrize("seed", SEEDS)
 def test_fused_decode_in_any_program_order(seed, shuffled_programs):

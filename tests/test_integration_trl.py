@@ -242,8 +242,8 @@ def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):
     assert trainer.use_vllm is False  # the flag is only flipped for the duration of TRL's calls
 
 
-@pytest.mark.parametrize("batch_invariant, kernels", [(True, False), (True, True), (False, False)],
-                         ids=["invariant", "invariant_kernels", "default"])
+@pytest.mark.parametrize("batch_invariant, kernels", [(True, False), pytest.param(True, True, marks=pytest.mark.slow),
+                                                       (False, False)], ids=["invariant", "invariant_kernels", "default"])
 def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, batch_invariant, kernels):
     """CBConfig(batch_invariant=True): the generator's logprob of every completion token equals, bit for bit, the
     trainer's old logps (no grad) and the loss's (with grad, through gradient checkpointing): the gap is exactly 0,

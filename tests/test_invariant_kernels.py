@@ -33,6 +33,7 @@ def _group(rows, in_features, shapes, seed):
     return x, weights, biases, lora_as, lora_bs, [0.5, 2.0, 1.5][:len(shapes)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base", ["split_k", "in_the_expand", "read"])
 def test_fixed_tiling_gives_a_row_the_same_bits_in_any_batch(base, monkeypatch):
     """Rows 0..40 (three 16-row tiles) against any slice of them and each member alone against the group; rows in

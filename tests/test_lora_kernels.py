@@ -232,6 +232,7 @@ def _decoder_with_lora(arch="qwen3"):
 BASE_MODES = {"gemm_in_expand": kernels.GEMM_BASE, "split_k_in_shrink": kernels.SUMMED_BASE, "torch": None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base", list(BASE_MODES))
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_projections_that_share_an_input_take_one_launch_pair(arch, base, spy):
@@ -287,6 +288,7 @@ def test_group_kernel_matches_each_member_alone():
         kernels.lora_add_group(x, bases + bases[:1], lora_as + lora_as[:1], lora_bs + lora_bs[:1], scalings + [1.0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("base", ["gemm_in_expand", "split_k_in_shrink", "torch_for_long_inputs",
                                   "torch_for_long_inputs_of_wide_groups"])

@@ -231,6 +231,7 @@ def test_top_k_candidates_give_the_sorted_vocabulary_tokens(temperature, top_k, 
     _check_candidates_against_sorted_vocabulary(512, 5000, temperature, top_k, top_p, min_p, bf16_logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.1, 5, 0.97, 0.5), (1.3, MAX_CANDIDATE_TOP_K, 0.9, 0.0)])
 def test_top_k_candidates_give_the_sorted_vocabulary_tokens_through_the_kernel(temperature, top_k, top_p, min_p,
                                                                                monkeypatch):
@@ -281,6 +282,7 @@ def test_top_k_ties_past_the_candidates_are_flagged_and_sampled_from_the_whole_t
     assert len(set(tokens.tolist())) > CANDIDATES     # drawn beyond the first CANDIDATES tied tokens
 
 
+@pytest.mark.slow
 def test_a_row_draws_the_same_whatever_path_the_other_rows_need(draw_path):
     """A candidate row next to a row that needs the sorted vocabulary (top_k 0) draws what it draws alone."""
     torch.manual_seed(0)
