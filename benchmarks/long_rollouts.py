@@ -220,7 +220,7 @@ def run_all(args) -> list[dict]:
             return [sys.executable, "-m", "benchmarks.peers", "vllm", "--engine", engine, "--workload", "L", *shared,
                     "--repeats", "1", "--warmup-tokens", str(WARMUP_TOKENS)]
         if engine in HF_ENGINES and left is not None:
-            shared += ["--stop-at", f"{time.time() + left - HF_EXIT_MARGIN_S:.1f}"]
+            shared += ["--stop-at", repr(time.time() + left - HF_EXIT_MARGIN_S)]
         return [sys.executable, "-m", "benchmarks.long_rollouts", "--engines", engine, "--engine-process", *shared,
                 "--max-cache-gib", *map(str, args.max_cache_gib), "--attn-backend", args.attn_backend]
 
