@@ -32,15 +32,14 @@ class CBSyncGeneration:
         self.sampling_params = sampling_params
         self.release_after_rollout = release_after_rollout
         self.driver: SyncCBDriver | None = None     # built at the first rollout
-        self._model_id: int | None = None
 
     def driver_for(self, model: torch.nn.Module) -> SyncCBDriver:
         """The persistent driver on `model`, built again only where another model object comes (it follows the
         model's moves and casts itself)."""
-        if self.driver is None or self._model_id != id(model):
+        if self.driver is None or self.driver.model is not model:
             if self.driver is not None:
                 self.driver.release()
-            self.driver, self._model_id = SyncCBDriver(model, self.config), id(model)
+            self.driver = SyncCBDriver(model, self.config)
         return self.driver
 
     def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]],
