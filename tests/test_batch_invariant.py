@@ -156,10 +156,13 @@ def test_row_attention_kernel_matches_plain_torch_and_is_row_invariant(window, s
 
 
 def serve_kernels(monkeypatch, means: bool = True):
-    """Both sides through the (interpreted) Triton kernels, as on CUDA: attention, LoRA layers, and means."""
+    """Both sides through the (interpreted) Triton kernels, as on CUDA: attention, LoRA layers, the fused norms, rotary
+    and SiLU, and means."""
     pytest.importorskip("triton")
+    from cb_sync.batch_invariant import fused_forwards
     from cb_sync.batch_invariant import lora as invariant_lora
     monkeypatch.setattr(invariant, "_kernel_serves", lambda query: True)
+    monkeypatch.setattr(fused_forwards, "_kernel_serves", lambda x: True)
     monkeypatch.setattr(invariant_lora, "_invariant_kernel_serves", lambda device: True)
     if means:
         monkeypatch.setattr(ops, "_mean_kernel_serves", lambda x: x.is_floating_point())

@@ -90,7 +90,7 @@ def _over_last_dim(func, x, args, kwargs):
 class _InvariantOps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_suspended():
+        if is_suspended():
             return func(*args, **kwargs)
         if func in _LINEAR:
             return linear_rows(*args, **kwargs)
@@ -105,21 +105,21 @@ class _InvariantOps(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _is_suspended() -> bool:
+def is_suspended() -> bool:
     return getattr(_SUSPENDED, "on", False)
 
 
 def invariant_ops():
     """Within the block, linear layers and last-dimension reductions run batch-invariantly (see the module); inside
     a `suspended()` block, nothing changes."""
-    return contextlib.nullcontext() if _is_suspended() else _InvariantOps()
+    return contextlib.nullcontext() if is_suspended() else _InvariantOps()
 
 
 @contextlib.contextmanager
 def suspended():
     """Within the block (on this thread), `invariant_ops()` blocks, also those entered before it, leave every op as
     it is: a forward that need not be batch-invariant, run inside one that is."""
-    previous = _is_suspended()
+    previous = is_suspended()
     _SUSPENDED.on = True
     try:
         yield

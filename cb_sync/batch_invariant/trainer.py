@@ -1,9 +1,9 @@
 """The trainer's side of batch-invariant mode: per-token logprobs of full sequences that equal, bit for bit, the
 logprobs `SyncCBDriver` returned when it sampled them with `CBConfig(batch_invariant=True)`.
 
-The model runs its own forward (with gradients) under `batch_invariant.invariant_ops()`, its attention through the
-generator's row-invariant kernel (`training_attention`) at the tokens' own positions (padding removed), and
-the logprobs come from the sampler's op over logits / temperature."""
+The model runs its own forward (with gradients) under `batch_invariant.invariant_ops()` and the generator's fused
+kernels (`fused_forwards`), its attention through the generator's row-invariant kernel (`training_attention`) at the
+tokens' own positions (padding removed), and the logprobs come from the sampler's op over logits / temperature."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..model_patching.generation_mode import attention_implementations, restore_
 from ..model_patching.swaps import base_model, forwards_swapped, module_list
 from ..sampling import chosen_logprobs
 from ..tuning import LoraTuning
+from .fused_forwards import fused_forwards
 from .lora import invariant_tuning, lora_linear
 from .ops import invariant_ops, suspended
 from .training_attention import INVARIANT_IMPLEMENTATION, positions_from_mask
@@ -55,7 +56,7 @@ def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning
         # backward runs outside any torch function mode, so the modules gradient checkpointing recomputes enter it
         # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
         leaves = [m for m in modules if not m._modules]
-        with (forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops(),
+        with (fused_forwards(modules), forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops(),
               lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning, lora_linear)):
             yield
     finally:

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from ..attention import StepBackends, sdpa_paged, select_backends
 from ..batch_invariant import attention as invariant
 from ..batch_invariant import check_model, invariant_ops
+from ..batch_invariant.fused_forwards import fused_forwards
 from ..batch_invariant.lora import invariant_tuning
 from ..config import CBConfig, SamplingParams
 from ..lora import kernel_row_limit, lora_kernels
@@ -167,7 +168,9 @@ class SyncCBDriver:
             modules = call.enter_context(generation_mode(self.model))
             call.enter_context(lora_kernels(self.model, lora_tuning is not None, modules,
                                             lora_tuning or cfg.tuning.lora))
-            call.enter_context(self._ops())
+            if cfg.batch_invariant:
+                call.enter_context(fused_forwards(modules))
+                call.enter_context(invariant_ops())
             bar = call.enter_context(tqdm(total=sum(r.params.max_new_tokens for r in requests), unit="tok",
                                           desc="cb_sync", disable=not (sys.stderr.isatty() if show is None else show)))
             self.cache.ensure(num_blocks)
@@ -194,9 +197,6 @@ class SyncCBDriver:
         if cfg.batch_invariant:
             return invariant_tuning(cfg.lora_kernels, cfg.tuning.lora, self.device)
         return cfg.tuning.lora if cfg.lora_kernels and self.backends.decode is not sdpa_paged else None
-
-    def _ops(self):
-        return invariant_ops() if self.config.batch_invariant else contextlib.nullcontext()
 
     def release(self, keep_graphs: bool = False) -> None:
         """Free the KV cache for training, and the captured graphs unless keep_graphs; the next generate() allocates
