@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the peers' wheels (benchmarks/wheels.sh) where they are, then run the GPU tests or a
 # benchmark. From the project root:
-#   bash benchmarks/gpu.sh tests                     the GPU tests (-m gpu), log in $OUT/gpu_tests.log
+#   bash benchmarks/gpu.sh tests                     the GPU tests (-m gpu, and the fused kernels' on CUDA), log in
+#                                                    $OUT/gpu_tests.log
 #   bash benchmarks/gpu.sh run WORKLOAD [ARGS]       python -m benchmarks WORKLOAD ARGS, the installed sets on the
 #                                                    path, stopped with SIGINT (its rows kept) after $TIME_LIMIT s
 #   bash benchmarks/gpu.sh collect DIR [DIR ...]     copy folders of wheels or pieces (wheels.sh's DIR/pN) into
@@ -49,7 +50,8 @@ case "${1:-}" in
       mkdir -p "/tmp/wheels/$set" && cp "$dir"/* "/tmp/wheels/$set/" && say "/tmp/wheels/$set: $(ls "/tmp/wheels/$set" | wc -l) files"
     done ;;
   tests)
-    timeout 580 python3 -m pytest tests -m gpu -q -s 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    { timeout 500 python3 -m pytest tests -m gpu -q -s; timeout 80 python3 -m pytest tests/test_fused_kernels.py -q; } 2>&1 \
+      | tee "$OUT/gpu_tests.log" ;;
   run)
     shift
     status=0

@@ -245,10 +245,12 @@ def gpu_state() -> dict:
 
 
 def commit() -> str | None:
+    """The checkout's commit, "+changes" where tracked files differ from it (the code measured is not that commit's)."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent)
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        return head and head + ("+changes" if git("status", "--porcelain", "--untracked-files=no").stdout else "")
     except (OSError, subprocess.SubprocessError):
         return None
 

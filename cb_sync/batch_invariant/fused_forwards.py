@@ -17,7 +17,7 @@ from ..model_patching.swaps import attribute_set, forwards_swapped
 from .fused_kernels import MAX_NORM_WIDTH, rms_norm, rotary, silu_mul, with_reference_grad
 from .ops import is_suspended
 
-# transformers classes whose forwards the kernels compute: weight * normed.to(input dtype) (Llama's order) ...
+# transformers classes whose forwards the kernels compute: weight * normed.to(input dtype) (Llama's) ...
 LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 # ... (normed * (1 + weight)) in fp32, then the input's dtype (Gemma's)
 GEMMA_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm"})
@@ -45,8 +45,8 @@ def _norm_forward(module: torch.nn.Module):
 
     def kernel(x, weight):
         if gemma:
-            return rms_norm(x, weight, eps, None, 1.0, x.dtype)
-        return rms_norm(x, weight, eps, x.dtype, 0.0, torch.result_type(weight, x))
+            return rms_norm(x, weight, eps, 1.0, x.dtype)
+        return rms_norm(x, weight, eps, 0.0, torch.result_type(weight, x))
 
     def fused(x, *args, **kwargs):
         if args or kwargs or x.shape[-1] > MAX_NORM_WIDTH or not _serves(x):

@@ -2,9 +2,9 @@
 the queries and keys, and SiLU(gate) x up, each one Triton launch where eager torch takes three to ten.
 
 A program computes one row (a token's hidden state, or one head of it) alone, its reductions in an order fixed by the
-row's width, so a row's bits do not depend on how many rows share the launch. Each kernel rounds where the
-transformers formula it replaces rounds (the rotary and SiLU kernels round after every op, as eager torch does), and
-the generator and the trainer both call it, so both get the same numbers. With gradients, the backward is the
+row's width, so a row's bits do not depend on how many rows share the launch. Each kernel computes the transformers
+formula it replaces in fp32 and rounds once at the end (eager torch rounds after every op: the two differ by a
+rounding), and the generator and the trainer both call it, so both get the same numbers. With gradients, the backward is the
 gradient of the replaced formula, recomputed in plain torch (`_KernelForward`)."""
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ import triton
 import triton.language as tl
 
 MAX_NORM_WIDTH = 16384     # a row held in one program's registers
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, heads, stride_t, stride_h, width, eps, BLOCK: tl.constexpr,
-                     ROUNDED: tl.constexpr, ROUND_DTYPE: tl.constexpr, OFFSET: tl.constexpr):
-    """Program r: row r = (token r // heads, head r % heads) of x, out[r] = norm(x_r) * w; ROUNDED: the normalised
-    row rounded to ROUND_DTYPE before the weight (Llama's order), else the weight applied in fp32 as (OFFSET + w)
-    (Gemma's)."""
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, heads, stride_t, stride_h, width, eps, offset, BLOCK: tl.constexpr):
+    """Program r: row r = (token r // heads, head r % heads) of x, out[r] = x_r * rsqrt(mean(x_r^2) + eps) *
+    (offset + w) in fp32, rounded once to out's dtype."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < width
@@ -30,26 +27,20 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, heads, stride_t, stride_h, width, ep
     x = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / width + eps)
     w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    if ROUNDED:
-        out = w * (x * inv).to(ROUND_DTYPE).to(tl.float32)
-    else:
-        out = (x * inv) * (OFFSET + w)
-    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=valid)
+    tl.store(out_ptr + row * width + cols, ((x * inv) * (offset + w)).to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_to: torch.dtype | None, offset: float,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
              out_dtype: torch.dtype) -> torch.Tensor:
-    """The RMS norm of x's last dimension (x of any strides with unit stride there; out contiguous, of out_dtype):
-    weight * (x * rsqrt(mean(x^2) + eps)).to(round_to) where round_to is given, else
-    (x * rsqrt(mean(x^2) + eps)) * (offset + weight) in fp32."""
+    """The RMS norm of x's last dimension, x * rsqrt(mean(x^2) + eps) * (offset + weight), in fp32 (x of any strides
+    with unit stride there; out contiguous, of out_dtype)."""
     width = x.shape[-1]
     rows = x.reshape(-1, 1, width) if x.ndim == 2 else x.reshape(-1, x.shape[-2], width)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if out.numel():
         block = triton.next_power_of_2(width)
         _rms_norm_kernel[(rows.shape[0] * rows.shape[1],)](
-            rows, weight, out, rows.shape[1], rows.stride(0), rows.stride(1), width, eps, BLOCK=block,
-            ROUNDED=round_to is not None, ROUND_DTYPE=_TL_DTYPES[round_to or x.dtype], OFFSET=offset,
+            rows, weight, out, rows.shape[1], rows.stride(0), rows.stride(1), width, eps, offset, BLOCK=block,
             num_warps=max(1, min(8, block // 256)))
     return out
 
@@ -57,8 +48,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_to: torch.
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq_len, q_heads, sqb, sqh, sql, skb, skh,
                    skl, sob, soh, sol, skob, skoh, skol, scb, scl, half, BLOCK: tl.constexpr):
-    """Program (token, head): one head row of q (head < q_heads) or of k, out = x * cos + rotate_half(x) * sin with
-    every product and the sum rounded to the output's dtype, as eager torch rounds them."""
+    """Program (token, head): one head row of q (head < q_heads) or of k, out = x * cos + rotate_half(x) * sin in
+    fp32, rounded once to the output's dtype."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b, pos = token // seq_len, token % seq_len
     if head < q_heads:
@@ -77,8 +68,8 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq_len
     c2 = tl.load(cos_ptr + table + half + cols, mask=valid, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + table + cols, mask=valid, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + table + half + cols, mask=valid, other=0.0).to(tl.float32)
-    out1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
-    out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    out1 = x1 * c1 - x2 * s1
+    out2 = x2 * c2 + x1 * s2
     tl.store(dst + cols, out1.to(dtype), mask=valid)
     tl.store(dst + half + cols, out2.to(dtype), mask=valid)
 
@@ -104,19 +95,18 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_g, stride_u, BLOCK: tl.constexpr):
-    """Program (row, column block): silu(gate) rounded to the output's dtype, times up, rounded."""
+    """Program (row, column block): silu(gate) * up in fp32, rounded once to the output's dtype."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
     valid = cols < width
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gate_ptr + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * width + cols, (act * u).to(dtype), mask=valid)
+    tl.store(out_ptr + row * width + cols, (g / (1.0 + tl.exp(-g)) * u).to(dtype), mask=valid)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, each op rounded to the result's dtype (gate and up of one shape, unit stride on the last
+    """silu(gate) * up in fp32, rounded once to the result's dtype (gate and up of one shape, unit stride on the last
     dimension; out contiguous)."""
     width = gate.shape[-1]
     g, u = gate.reshape(-1, width), up.reshape(-1, width)
