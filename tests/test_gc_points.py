@@ -18,6 +18,7 @@ from cb_sync.integrations.trl.gc_points import GcPoints  # noqa: E402
 def events(monkeypatch):
     """Every collect and freeze gc_points makes, in order (the tests add the steps)."""
     seen = []
+    gc.unfreeze()                        # whatever an earlier test left frozen
     monkeypatch.setattr(gc_points, "gc", SimpleNamespace(
         collect=lambda: seen.append("collect") or gc.collect(), freeze=lambda: seen.append("freeze") or gc.freeze(),
         unfreeze=gc.unfreeze, isenabled=gc.isenabled, get_freeze_count=gc.get_freeze_count))
@@ -44,7 +45,8 @@ def test_collects_and_freezes_at_train_begin_and_after_the_first_step_only(event
     points = GcPoints()
     frozen = run_training(points, 4, events)
     assert events == ["collect", "freeze", "step 1", "collect", "freeze", "step 2", "step 3", "step 4"]
-    assert frozen[0] > 0 and frozen[1] >= frozen[0] and frozen[1:] == [frozen[1]] * 3
+    # objects frozen through every step (their count may drop: a frozen object freed by its refcount leaves it)
+    assert all(count > 0 for count in frozen)
     assert gc.get_freeze_count() == 0 and not points.active          # unfrozen at train end
     events.clear()
     run_training(points, 2, events)                                  # a second train call starts over
