@@ -4,7 +4,11 @@ of a block by both the generator and the trainer, so that both sides round alike
 
 A swapped forward runs the kernel where it serves (CUDA, a unit stride on the last dimension) and the model's own
 forward elsewhere, and inside `ops.suspended()` (the trainer's reference policy): the choice depends on the device and
-layout, never on the number of rows. Other models keep their forwards, which `ops.invariant_ops` makes exact."""
+layout, never on the number of rows. Other models keep their forwards, which `ops.invariant_ops` makes exact.
+
+The rotary swap replaces a modeling module's function, not a module's forward: for the length of the block, another
+model of that family run on CUDA by another thread computes its rotary embeddings through the kernel too (the same
+formula, rounded once instead of after every op)."""
 
 from __future__ import annotations
 
