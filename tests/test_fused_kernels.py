@@ -10,7 +10,9 @@ import torch
 pytest.importorskip("triton")
 
 from cb_sync.batch_invariant import fused_forwards as fused  # noqa: E402
-from cb_sync.batch_invariant.fused_kernels import rms_norm, rotary, silu_mul, with_reference_grad  # noqa: E402
+from cb_sync.batch_invariant import fused_kernels  # noqa: E402
+from cb_sync.batch_invariant.fused_forwards import with_reference_grad  # noqa: E402
+from cb_sync.batch_invariant.fused_kernels import rms_norm, rotary, silu_mul  # noqa: E402
 from cb_sync.batch_invariant.ops import suspended  # noqa: E402
 from cb_sync.model_patching.swaps import module_list  # noqa: E402
 from conftest import ARCHS, make_model  # noqa: E402
@@ -105,8 +107,8 @@ def test_each_family_runs_its_kernels_and_gets_its_own_forwards_back(arch, monke
         own = model(input_ids=ids).logits
         calls = []
         for name in ("rms_norm", "silu_mul", "rotary"):
-            original = getattr(fused, name)
-            monkeypatch.setattr(fused, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+            original = getattr(fused_kernels, name)
+            monkeypatch.setattr(fused_kernels, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
         with fused.fused_forwards(modules):
             through_kernels = model(input_ids=ids).logits
             with suspended():

@@ -4,7 +4,9 @@ of a block by both the generator and the trainer, so that both sides round alike
 
 A swapped forward runs the kernel where it serves (CUDA, a unit stride on the last dimension) and the model's own
 forward elsewhere, and inside `ops.suspended()` (the trainer's reference policy): the choice depends on the device and
-layout, never on the number of rows. Other models keep their forwards, which `ops.invariant_ops` makes exact.
+layout, never on the number of rows. Other models keep their forwards, which `ops.invariant_ops` makes exact. With
+gradients, the backward is the gradient of the replaced formula, recomputed in plain torch (`with_reference_grad`).
+Triton is imported only where a kernel serves.
 
 The rotary swap replaces a modeling module's function, not a module's forward: for the length of the block, another
 model of that family run on CUDA by another thread computes its rotary embeddings through the kernel too (the same
@@ -18,8 +20,9 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from ..model_patching.swaps import attribute_set, forwards_swapped
-from .fused_kernels import MAX_NORM_WIDTH, rms_norm, rotary, silu_mul, with_reference_grad
 from .ops import is_suspended
+
+MAX_NORM_WIDTH = 16384     # a row the norm kernel holds in one program's registers
 
 # transformers classes whose forwards the kernels compute: weight * normed.to(input dtype) (Llama's) ...
 LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -48,6 +51,7 @@ def _norm_forward(module: torch.nn.Module):
         return (normed * (1.0 + weight.float())).to(x.dtype) if gemma else weight * normed.to(x.dtype)
 
     def kernel(x, weight):
+        from .fused_kernels import rms_norm
         if gemma:
             return rms_norm(x, weight, eps, 1.0, x.dtype)
         return rms_norm(x, weight, eps, 0.0, torch.result_type(weight, x))
@@ -72,6 +76,7 @@ def _mlp_forward(module: torch.nn.Module):
         gate, up = module.gate_proj(x), module.up_proj(x)      # in this order: LoRA siblings share one launch
         if gate.shape != up.shape or not _serves(gate, up):
             return module.down_proj(module.act_fn(gate) * up)
+        from .fused_kernels import silu_mul
         return module.down_proj(with_reference_grad(silu_mul, _silu_mul_reference, gate, up))
     return _marked(fused)
 
@@ -81,6 +86,7 @@ def _rotary_function(original):
         if (args or kwargs or q.ndim != 4 or k.ndim != 4 or cos.ndim != 3 or q.shape[-1] % 2
                 or cos.shape != sin.shape or cos.stride() != sin.stride() or not _serves(q, k, cos, sin)):
             return original(q, k, cos, sin, *args, **kwargs)
+        from .fused_kernels import rotary
         return with_reference_grad(rotary, original, q, k, cos, sin)
     return _marked(fused)
 
@@ -114,3 +120,30 @@ def fused_forwards(modules: list[torch.nn.Module]):
         stack.enter_context(attribute_set(modeling, "apply_rotary_pos_emb",
                                           lambda m: _rotary_function(m.apply_rotary_pos_emb)))
         yield
+
+
+def with_reference_grad(kernel, reference, *inputs: torch.Tensor):
+    """kernel(*inputs), and where a gradient is wanted, reference's: the formula the kernel computes, recomputed in
+    plain torch during backward."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _KernelForward.apply(kernel, reference, *inputs)
+    return kernel(*inputs)
+
+
+class _KernelForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel, reference, *inputs):
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        return kernel(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+            outs = ctx.reference(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        wanted = iter(torch.autograd.grad(outs, [t for t, need in zip(leaves, needs) if need], grads,
+                                          allow_unused=True))
+        return (None, None, *(next(wanted) if need else None for need in needs))

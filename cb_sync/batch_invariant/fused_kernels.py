@@ -4,8 +4,7 @@ the queries and keys, and SiLU(gate) x up, each one Triton launch where eager to
 A program computes one row (a token's hidden state, or one head of it) alone, its reductions in an order fixed by the
 row's width, so a row's bits do not depend on how many rows share the launch. Each kernel computes the transformers
 formula it replaces in fp32 and rounds once at the end (eager torch rounds after every op: the two differ by a
-rounding), and the generator and the trainer both call it, so both get the same numbers. With gradients, the backward is the
-gradient of the replaced formula, recomputed in plain torch (`_KernelForward`)."""
+rounding), and the generator and the trainer both call it, so both get the same numbers."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_NORM_WIDTH = 16384     # a row held in one program's registers
 
 
 @triton.jit
@@ -116,30 +114,3 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(g.shape[0], triton.cdiv(width, block))](g, u, out, width, g.stride(0), u.stride(0),
                                                                   BLOCK=block, num_warps=4)
     return out
-
-
-def with_reference_grad(kernel, reference, *inputs: torch.Tensor):
-    """kernel(*inputs), and where a gradient is wanted, reference's: the formula the kernel computes, recomputed in
-    plain torch during backward."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return _KernelForward.apply(kernel, reference, *inputs)
-    return kernel(*inputs)
-
-
-class _KernelForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kernel, reference, *inputs):
-        ctx.reference = reference
-        ctx.save_for_backward(*inputs)
-        return kernel(*inputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        needs = ctx.needs_input_grad[2:]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-            outs = ctx.reference(*leaves)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        wanted = iter(torch.autograd.grad(outs, [t for t, need in zip(leaves, needs) if need], grads,
-                                          allow_unused=True))
-        return (None, None, *(next(wanted) if need else None for need in needs))
