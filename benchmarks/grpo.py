@@ -7,6 +7,7 @@ trainer against TRL's own generation paths and Unsloth, one backend after the ot
     python -m benchmarks grpo --backends cb_sync_compiled --ranks 1 2           # data parallel (accelerate launch)
     python -m benchmarks grpo --backends cb_sync_compiled --steps 100           # a soak: drift, GC pauses
     python -m benchmarks grpo --isolate --backends cb_sync_compiled --warm-rerun  # first steps, cold and warm caches
+    python -m benchmarks grpo --backends cb_sync_exact --profile-step 5          # where step 5's time goes
     python -m benchmarks grpo --from-json A.json B.json --name NAME              # merge the rows of several runs
     python -m benchmarks grpo --tiny --out DIR                                   # CPU plumbing
 
@@ -67,7 +68,7 @@ from benchmarks import peers
 from benchmarks.grpo_stats import (REFERENCE, GRPOStats, compare, fingerprint, gate_lines, plot, report, soak_fields,
                                    summary_table)
 from benchmarks.harness import (CB_MODES, RESULTS, SHAPES, TOKENIZER_WORDS, build_model, cb_config, free_cached_memory,
-                                gc_pauses, lora_config, make_tokenizer, mode_flags, read_rows, run_child,
+                                gc_pauses, lora_config, make_tokenizer, mode_flags, profiled, read_rows, run_child,
                                 since_process_start, write_results)
 
 OUT = RESULTS / "grpo"
@@ -265,10 +266,13 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
     common = dict(model=model, reward_funcs=REWARDS, train_dataset=dataset, processing_class=tokenizer,
                   peft_config=lora_config())
     trainer, calls, forwards = None, DriverCalls(), ForwardShapes()
+    profile = [] if args.profile_step is None else [StepProfile(args.profile_step, args.out / f"{args.name}_{backend}"
+                                                                f"{rank}_profile.txt", cuda=not args.tiny)]
     try:
         with tempfile.TemporaryDirectory() as tmp, forwards.watching():
             if backend in CB_MODES:
-                trainer = cb_trainer(backend, args, [stats, calls, StopTogether()], output_dir=tmp, **common)
+                trainer = cb_trainer(backend, args, [stats, calls, StopTogether(), *profile], output_dir=tmp,
+                                     **common)
                 row.update(cb_group_by_length=getattr(trainer, "group_by_length", None),
                            cb_release_cache=args.cb_release_cache, cb_compile_layers=args.cb_compile_layers,
                            cb_freeze_gc=args.cb_freeze_gc)
@@ -283,7 +287,7 @@ def run_backend(backend: str, args, tokenizer, dataset, row: dict, deadline: flo
                 cb = {"num_blocks": 16, "max_batch_tokens": 512} if args.tiny else None
                 extra = (dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config=cb)
                          if backend == "trl_cb" else {})
-                trainer = GRPOTrainer(args=grpo_config(args, tmp, **extra), callbacks=[stats], **common)
+                trainer = GRPOTrainer(args=grpo_config(args, tmp, **extra), callbacks=[stats, *profile], **common)
             trainer.remove_callback(PrinterCallback)
             generate = trainer._generate if stops is None else stats.counted(trainer._generate)
             trainer._generate = stats.timed(generate)
@@ -444,6 +448,24 @@ class SyntheticRollouts:
         return completions, [[-1.0] * len(ids) for ids in completions]
 
 
+class StepProfile(TrainerCallback):
+    """Optimizer step `step` (1-based: its rollout, forwards, backward and optimizer step) under `harness.profiled`,
+    its table written to path."""
+
+    def __init__(self, step: int, path: Path, cuda: bool):
+        self.step, self.path, self.cuda, self.block = step, path, cuda, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step and self.block is None:
+            self.block = profiled(self.path, self.cuda)
+            self.block.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.block is not None:
+            block, self.block = self.block, None
+            block.__exit__(None, None, None)
+
+
 class StopTogether(TrainerCallback):
     """Under DDP every rank stops after the step at which any rank's time share ran out (equal step counts)."""
 
@@ -541,6 +563,7 @@ def child_argv(args, backend: str, time_limit: float | None) -> list[str]:
             "--cb-freeze-gc", args.cb_freeze_gc]
     argv += ["--tiny"] * args.tiny + ["--cb-compile-layers"] * args.cb_compile_layers
     argv += ["--synthetic-rollouts"] * args.synthetic_rollouts
+    argv += [] if args.profile_step is None else ["--profile-step", str(args.profile_step)]
     return argv + ([] if time_limit is None else ["--time-limit", f"{max(time_limit, 1.0):.0f}"])
 
 
@@ -570,6 +593,9 @@ def parse_args(argv=None):
     parser.add_argument("--cb-compile-layers", action="store_true", help="CBSyncGRPOTrainer(compile_layers=True)")
     parser.add_argument("--cb-freeze-gc", choices=["on", "off"], default="off", help="CBSyncGRPOTrainer(freeze_gc=...)")
     parser.add_argument("--synthetic-rollouts", action="store_true", help="random completions: the training half")
+    parser.add_argument("--profile-step", type=int, default=None, metavar="N",
+                        help="step N under torch.profiler (cb_sync and TRL's in-process paths): its busiest kernels "
+                             "in <out>/<name>_<backend>_profile.txt (its time, slowed, counts in the medians)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1], help="processes (GPUs) a cb_sync run, in turn")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for all backends: each gets an equal share of what is left")

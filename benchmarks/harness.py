@@ -167,6 +167,19 @@ def timed(fn) -> tuple[float, float, float]:
 
 
 @contextlib.contextmanager
+def profiled(path: Path, cuda: bool, rows: int = 40):
+    """torch.profiler over the block; its busiest ops (by their own device time where cuda, else their own host time)
+    as torch's table at path: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90) + "\n")
+
+
+@contextlib.contextmanager
 def gc_pauses():
     """A list that holds every run of the cyclic garbage collector within the block as it ends: (its start in
     perf_counter seconds, its seconds)."""

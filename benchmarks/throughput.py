@@ -4,6 +4,7 @@ live; cb_sync against its peers on one card, ratios from the same run only.
     python -m benchmarks throughput [--engines cb_sync_compiled cb_sync_exact hf_generate ...] [--batches 4 32 128]
         [--isolate [--time-limit S]] [--name NAME] [--out DIR]
     python -m benchmarks throughput --logprob-gap [--engines cb_sync cb_sync_exact] [--temperatures 1.0 0.1]
+    python -m benchmarks throughput --engines cb_sync_exact --profile         # + a kernel table a batch size
     python -m benchmarks throughput --from-json A.json B.json --name NAME      # merge the rows of several runs
     python -m benchmarks throughput --tiny --out DIR          # CPU plumbing: the tiny model, fp32, a few tokens
 
@@ -34,8 +35,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.harness import (CB_MODES, RESULTS, bar_chart, build_model, call_floor_seconds, cb_config, exit_code,
-                                free_cached_memory, gpu_state, markdown_table, mode_flags, random_prompts, ratio,
-                                read_rows, run_engines, timed, write_results)
+                                free_cached_memory, gpu_state, markdown_table, mode_flags, profiled, random_prompts,
+                                ratio, read_rows, run_engines, timed, write_results)
 
 OUT = RESULTS / "throughput"
 PREFILL_TOKENS = 16384      # cb_sync's max_batch_tokens: batch 128's prompts (128 x 128 tokens) in one step
@@ -67,7 +68,8 @@ class StepTimes(list):
                 "outside_steps_s": round(seconds - replay_s - sum(eager), 3)}
 
 
-def run_cb_sync(engine: str, model, prompts, new_tokens: int):
+def run_cb_sync(engine: str, model, prompts, new_tokens: int, profile: Path | None = None):
+    """cb_sync's timed calls; with a profile path, one more call under `harness.profiled`, its table there."""
     from cb_sync import SamplingParams, SyncCBDriver
     steps = StepTimes()
     config = cb_config(engine, max_batch_size=len(prompts), max_batch_tokens=PREFILL_TOKENS)
@@ -79,6 +81,9 @@ def run_cb_sync(engine: str, model, prompts, new_tokens: int):
         steps.clear()
         seconds, peak, gc_s = timed(lambda: driver.generate(prompts, params))
         calls.append((seconds, peak, gc_s, steps.split(seconds)))
+    if profile is not None:
+        with profiled(profile, cuda=torch.cuda.is_available()):
+            driver.generate(prompts, params)
     driver.release()
     seconds, _, gc_s, split = sorted(calls, key=lambda call: call[0])[len(calls) // 2]
     return seconds, max(call[1] for call in calls), {
@@ -154,9 +159,9 @@ def run_transformers_cb(model, prompts, new_tokens):
     return seconds, peak, {"gc_s": round(gc_s, 4)}
 
 
-def run_engine(engine: str, model, prompts, new_tokens: int):
+def run_engine(engine: str, model, prompts, new_tokens: int, profile: Path | None = None):
     if engine in CB_MODES:
-        return run_cb_sync(engine, model, prompts, new_tokens)
+        return run_cb_sync(engine, model, prompts, new_tokens, profile)
     if engine == "transformers_cb":
         return run_transformers_cb(model, prompts, new_tokens)
     return run_hf_generate(model, prompts, new_tokens, static=engine == "hf_generate_static")
@@ -188,7 +193,9 @@ def run_in_process(args) -> list[dict]:
         free_cached_memory()             # what an engine left cached goes back before the next one runs
         try:
             with contextlib.nullcontext() if lora else model.disable_adapter():
-                seconds, peak, extra = run_engine(engine, model, prompts[batch], args.new_tokens)
+                profile = (args.out / f"{args.name}_{engine}_b{batch}{'' if lora else '_nolora'}_profile.txt"
+                           if args.profile else None)
+                seconds, peak, extra = run_engine(engine, model, prompts[batch], args.new_tokens, profile)
         except Exception as error:       # a peer that fails is reported, not fatal
             print(f"{engine} batch {batch} failed: {error!r}", flush=True)
             continue
@@ -202,7 +209,8 @@ def run_isolated(args) -> list[dict]:
     """Each engine (all its batches) in a fresh process, vLLM last."""
     def command(engine: str, part: str, left):
         shared = ["--name", part, "--out", str(args.out), "--batches", *map(str, args.batches), "--prompt-len",
-                  str(args.prompt_len), "--new-tokens", str(args.new_tokens), *(["--tiny"] * args.tiny)]
+                  str(args.prompt_len), "--new-tokens", str(args.new_tokens), *(["--tiny"] * args.tiny),
+                  *(["--profile"] * (args.profile and engine in CB_MODES))]
         if engine in VLLM_ENGINES:
             return [sys.executable, "-m", "benchmarks.peers", "vllm", "--engine", engine, "--workload", "T", *shared]
         return [sys.executable, "-m", "benchmarks.throughput", "--engines", engine, *shared, "--no-lora-engines",
@@ -333,6 +341,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--no-lora-engines", nargs="*", default=[], help="engines that also run without the adapter")
+    parser.add_argument("--profile", action="store_true",
+                        help="cb_sync's engines: one more call under torch.profiler, its busiest kernels in "
+                             "<out>/<name>_<engine>_b<batch>_profile.txt")
     parser.add_argument("--isolate", action="store_true", help="each engine in a process of its own")
     parser.add_argument("--time-limit", type=float, default=None, help="--isolate: seconds for all engines")
     parser.add_argument("--logprob-gap", action="store_true", help="the generator-vs-trainer gap of cb_sync's modes")

@@ -54,6 +54,14 @@ def test_isolated_engines_run_in_processes_of_their_own(tmp_path):
 
 
 @pytest.mark.slow
+def test_profile_writes_a_kernel_table_per_batch(tmp_path):
+    rows = throughput.main(["--tiny", "--engines", "cb_sync_exact", "--profile", "--out", str(tmp_path)])
+    for batch in (r["batch"] for r in rows):
+        table = (tmp_path / f"throughput_cb_sync_exact_b{batch}_profile.txt").read_text()
+        assert "Self CPU time total" in table and "aten::" in table
+
+
+@pytest.mark.slow
 def test_the_exact_modes_logprob_gap_is_zero(tmp_path):
     rows = throughput.main(["--tiny", "--logprob-gap", "--temperatures", "1.0", "--out", str(tmp_path)])
     gaps = {r["engine"]: r for r in rows}

@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -108,6 +109,26 @@ def test_synthetic_rollouts_give_every_run_the_same_completions(tmp_path):
     assert runs[0]["cb_group_by_length"] and runs[1]["cb_group_by_length"] is False
     assert any(w % WIDTH_MULTIPLE == 0 for s in runs[0]["per_step"] for w in s["forward_widths"])
     assert all(len(s["forward_widths"]) == 1 for s in runs[1]["per_step"])
+
+
+@pytest.mark.slow
+def test_profile_step_writes_where_that_step_went(tmp_path):
+    """--profile-step 2: a table of the second step's ops beside the results; the callback profiles that step alone,
+    from its begin to its end."""
+    from types import SimpleNamespace
+    rows = grpo.main(["--tiny", "--backends", "cb_sync", "--steps", "2", "--profile-step", "2", "--name", "p",
+                      "--out", str(tmp_path)])
+    assert "error" not in rows[0] and len(rows[0]["per_step"]) == 2
+    assert "Self CPU time total" in (tmp_path / "p_cb_sync_profile.txt").read_text()
+    profile, x = grpo.StepProfile(2, tmp_path / "step.txt", cuda=False), torch.ones(8, 8)
+    ops = [lambda: torch.cumsum(x, 0), lambda: torch.mm(x, x), lambda: torch.cumprod(x, 0)]
+    for done, op in enumerate(ops):                  # steps 1, 2 and 3: the second one alone is profiled
+        state = SimpleNamespace(global_step=done)
+        profile.on_step_begin(None, state, None)
+        op()
+        profile.on_step_end(None, state, None)
+    table = (tmp_path / "step.txt").read_text()
+    assert "aten::mm" in table and "aten::cumsum" not in table and "aten::cumprod" not in table
 
 
 @pytest.mark.slow
