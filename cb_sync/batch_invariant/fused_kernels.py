@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, heads, stride_t, stride_h, width, eps, offset, BLOCK: tl.constexpr):
     """Program r: row r = (token r // heads, head r % heads) of x, out[r] = x_r * rsqrt(mean(x_r^2) + eps) *
