@@ -121,7 +121,7 @@ def test_each_family_runs_its_kernels_and_gets_its_own_forwards_back(arch, monke
     assert not any(getattr(m.__dict__.get("forward"), "fused_kernels", False) for m in modules)
 
 
-def test_nested_blocks_swap_once_and_the_outer_one_puts_everything_back(monkeypatch):
+def test_nested_blocks_swap_once_the_outer_one_puts_everything_back_and_hooked_modules_stay(monkeypatch):
     _serve(monkeypatch)
     model = make_model("qwen3")
     modules = module_list(model)
@@ -134,3 +134,6 @@ def test_nested_blocks_swap_once_and_the_outer_one_puts_everything_back(monkeypa
             assert (norm.forward, modeling.apply_rotary_pos_emb) == outer
         assert (norm.forward, modeling.apply_rotary_pos_emb) == outer
     assert "forward" not in norm.__dict__ and modeling.apply_rotary_pos_emb is original
+    norm._hf_hook = object()                       # accelerate's offload hook: its forward brings the weights
+    with fused.fused_forwards(modules):
+        assert "forward" not in norm.__dict__

@@ -100,6 +100,11 @@ def _not_fused(forward) -> bool:
     return not getattr(forward, "fused_kernels", False)
 
 
+def _swappable(module: torch.nn.Module) -> bool:
+    """Not swapped already, and no accelerate hook (offloaded weights that its forward brings to the device)."""
+    return _not_fused(module.forward) and getattr(module, "_hf_hook", None) is None
+
+
 def _silu_mlp(module: torch.nn.Module) -> bool:
     return type(module).__name__ in SILU_MLPS and type(getattr(module, "act_fn", None)).__name__ in {"SiLU",
                                                                                                     "SiLUActivation"}
@@ -109,8 +114,8 @@ def _silu_mlp(module: torch.nn.Module) -> bool:
 def fused_forwards(modules: list[torch.nn.Module]):
     """Within the block, `modules` (a model's) of the families above run the fused kernels where they serve (see the
     module); nested blocks leave them as the outer one made them."""
-    norms = [m for m in modules if type(m).__name__ in LLAMA_NORMS | GEMMA_NORMS and _not_fused(m.forward)]
-    mlps = [m for m in modules if _silu_mlp(m) and _not_fused(m.forward)]
+    norms = [m for m in modules if type(m).__name__ in LLAMA_NORMS | GEMMA_NORMS and _swappable(m)]
+    mlps = [m for m in modules if _silu_mlp(m) and _swappable(m)]
     modeling = {sys.modules[type(m).__module__] for m in modules if type(m).__name__.endswith("Attention")}
     modeling = [m for m in modeling if m.__name__.rsplit(".", 2)[-2] in ROTARY_MODELING
                 and callable(getattr(m, "apply_rotary_pos_emb", None)) and _not_fused(m.apply_rotary_pos_emb)]
