@@ -56,8 +56,9 @@ def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning
         # backward runs outside any torch function mode, so the modules gradient checkpointing recomputes enter it
         # themselves: every leaf module (linear layers, norms; the rest of a layer is elementwise or this attention)
         leaves = [m for m in modules if not m._modules]
-        with (fused_forwards(modules), forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)), invariant_ops(),
-              lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning, lora_linear)):
+        with (fused_forwards(modules), forwards_swapped(leaves, lambda leaf: _in_invariant_ops(leaf.forward)),
+              invariant_ops(), lora_forwards(model, lora_tuning is not None, modules, lora_tuning or tuning,
+                                             lora_linear)):
             yield
     finally:
         restore_attention(previous)
