@@ -157,12 +157,12 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, r0, r1, r2, partial_ptr, M, K,
                      pid % row_tiles, (pid // row_tiles) % num_splits, pid // (row_tiles * num_splits), num_splits,
                      COMPUTE, X_IS_BF16, NATIVE, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R)
     else:
-        base_splits = tl.cdiv(K, BASE_SPLIT_K)
-        per_row_tile = base_splits * (tl.cdiv(n0, BASE_BLOCK_N) + tl.cdiv(n1, BASE_BLOCK_N) + tl.cdiv(n2, BASE_BLOCK_N))
+        # row tiles vary fastest: the programs that read one tile of W run together, so W comes from memory once
+        base_splits, base_row_tiles = tl.cdiv(K, BASE_SPLIT_K), tl.cdiv(M, BASE_BLOCK_M)
         index = pid - lora_programs
-        in_row_tile = index % per_row_tile
+        weight_tile = index // base_row_tiles
         _base_partial_tile(x_ptr, w0_ptr, w1_ptr, w2_ptr, n0, n1, n2, base_partial_ptr, M, K, stride_xm, stride_xk,
-                           in_row_tile // base_splits, in_row_tile % base_splits, index // per_row_tile, X_IS_BF16,
+                           weight_tile // base_splits, weight_tile % base_splits, index % base_row_tiles, X_IS_BF16,
                            NATIVE, BLOCK_K, BASE_SPLIT_K, BASE_BLOCK_M, BASE_BLOCK_N)
 
 
@@ -173,11 +173,11 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
                    base_splits, COMPUTE: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr, BASE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, X_IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Program (column tile over all members, row tile): out = base + round(round(xa @ B^T) * scaling). BASE
+    """Program (row tile, column tile over all members): out = base + round(round(xa @ B^T) * scaling). BASE
     READ_BASE: base read from memory; GEMM_BASE: computed here as x @ W^T; SUMMED_BASE: the shrink launch's split-K
     partials of x @ W^T summed in split order. Computed bases add the bias and round to the output dtype. With PDL
     the shrink launch's results are read only after its completion is awaited (`gdc_wait`)."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)     # row tiles fastest: a tile of W is read from memory once
     tiles0, tiles1 = tl.cdiv(n0, BLOCK_N), tl.cdiv(n1, BLOCK_N)
     if pid_n < tiles0:
         member, tile, N, R, scaling, first = 0, pid_n, n0, r0, s0, 0
@@ -324,7 +324,7 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     column_tiles = sum(triton.cdiv(n, block_n) for n in widths)
     has_bias = biases is not None
     bases, biases = bases or outs, biases or outs                    # unread when absent
-    _expand_kernel[(column_tiles, triton.cdiv(m, block_m))](
+    _expand_kernel[(triton.cdiv(m, block_m), column_tiles)](
         partial, *_padded(lora_bs, lora_bs[0]), *_padded(bases, bases[0]), *_padded(outs, outs[0]),
         *_padded(widths, 0), *_padded(ranks, 0), *_padded([float(s) for s in scalings], 0.0), m, num_splits,
         x, *_padded(weights, weights[0]), *_padded(biases, biases[0]), k, x.stride(0), base_partial, base_splits,
