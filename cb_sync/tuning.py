@@ -81,6 +81,11 @@ class LoraTuning(_Ints):
             summed_base_* for groups narrower than gemm_base_min_columns, else in the expand launch in tiles of
             fixed_block_n columns and fixed_block_k features); no choice by the row count anywhere.
         fixed_block_m, fixed_block_n, fixed_block_k: the fixed tiling's tiles.
+        fixed_large_rows: from this row count on, the fixed tiling's expand launch runs tiles of fixed_large_block_m
+            x fixed_large_block_n with fixed_large_warps warps for bf16 inputs and weights, and sums the split-K
+            base's splits itself where that makes enough programs: the same sums in the same order as for fewer rows,
+            on larger tensor-core tiles; used only where the device gives them the same bits
+            (`batch_invariant.lora.large_tiles_agree`). 0: never.
         shrink_warps, shrink_stages: Triton launch options of the shrink launch (LoRA shrink tiles and split-K base
             programs).
         expand_warps, expand_stages: Triton launch options of the expand launch.
@@ -114,11 +119,16 @@ class LoraTuning(_Ints):
     shrink_stages: int = 3
     expand_warps: int = 4
     expand_stages: int = 3
+    fixed_large_rows: int = 256
+    fixed_large_block_m: int = 64
+    fixed_large_block_n: int = 128
+    fixed_large_warps: int = 4
 
     def __post_init__(self):
         self._check(("block_m", "shrink_block_k", "large_block_m", "expand_block_n", "summed_base_block_n",
-                     "fixed_block_m", "fixed_block_n", "fixed_block_k"), smallest=0)     # 0: a threshold never met
-        for name in ("shrink_warps", "shrink_stages", "expand_warps", "expand_stages"):
+                     "fixed_block_m", "fixed_block_n", "fixed_block_k", "fixed_large_block_m", "fixed_large_block_n"),
+                    smallest=0)     # 0: a threshold never met
+        for name in ("shrink_warps", "shrink_stages", "expand_warps", "expand_stages", "fixed_large_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoraTuning.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.fixed_tiling not in (0, 1):

@@ -19,6 +19,7 @@ from cb_sync.batch_invariant.ops import ROWS, invariant_ops, suspended
 from cb_sync.batch_invariant.trainer import default_forward, invariant_logits, invariant_logprobs, invariant_training
 from cb_sync.batch_invariant.training_attention import (INVARIANT_IMPLEMENTATION, invariant_attention_forward,
                                                         positions_from_mask)
+from cb_sync.tuning import KernelTuning, LoraTuning
 
 from conftest import make_model, random_prompts
 
@@ -164,6 +165,7 @@ def serve_kernels(monkeypatch, means: bool = True):
     monkeypatch.setattr(invariant, "_kernel_serves", lambda query: True)
     monkeypatch.setattr(fused_forwards, "_kernel_serves", lambda x: True)
     monkeypatch.setattr(invariant_lora, "_invariant_kernel_serves", lambda device: True)
+    monkeypatch.setattr(invariant_lora, "large_tiles_agree", lambda tuning, device: True)   # as a GPU's may say
     if means:
         monkeypatch.setattr(ops, "_mean_kernel_serves", lambda x: x.is_floating_point())
 
@@ -178,13 +180,16 @@ def _with_lora(model, targets=("q_proj", "k_proj", "v_proj", "down_proj")):
 @pytest.mark.slow
 def test_through_the_kernels_a_request_is_bit_identical_alone_and_in_a_batch(monkeypatch):
     """bf16 (the LoRA kernel's single-product path: the interpreter's time) without the row-mean kernel (a program
-    per row: tested below and on its own)."""
+    per row: tested below and on its own). The LoRA kernel's large tiles from 12 rows on: the prefills take them,
+    the decode steps not."""
     serve_kernels(monkeypatch, means=False)
     model = _with_lora(make_model("qwen3")).to(torch.bfloat16)
     target, others = random_prompts([21], seed=4)[0], random_prompts([5, 40, 13], seed=5)
     params = SamplingParams(max_new_tokens=5, do_sample=True, temperature=0.9, seed=3, logprobs=True)
-    alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([target], params)[0]
-    results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16), static_decode=True).generate(
+    tuning = KernelTuning(lora=LoraTuning(fixed_large_rows=12, fixed_large_block_m=16, fixed_large_block_n=32))
+    alone = SyncCBDriver(model, CBConfig(batch_invariant=True, tuning=tuning)).generate([target], params)[0]
+    results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16, tuning=tuning),
+                           static_decode=True).generate(
         others[:2] + [target] + others[2:], [dataclasses.replace(params, seed=i) for i in range(2)] + [params] * 2)
     assert results[2].token_ids == alone.token_ids and results[2].logprobs == alone.logprobs
 

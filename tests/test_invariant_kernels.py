@@ -34,16 +34,25 @@ def _group(rows, in_features, shapes, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base", ["split_k", "in_the_expand", "read"])
-def test_fixed_tiling_gives_a_row_the_same_bits_in_any_batch(base, monkeypatch):
+@pytest.mark.parametrize("base, large_rows, split_programs", [
+    ("split_k", 0, 0), ("in_the_expand", 0, 0), ("read", 0, 0), ("split_k", 20, 0), ("split_k", 20, 10**9),
+    ("in_the_expand", 20, 0)])
+def test_fixed_tiling_gives_a_row_the_same_bits_in_any_batch(base, large_rows, split_programs, monkeypatch):
     """Rows 0..40 (three 16-row tiles) against any slice of them and each member alone against the group; rows in
     several chunks too. The base split over K in the shrink launch (narrow groups), computed in the expand launch
-    (wide groups), or read from torch. Close to nn.Linear + PEFT's formula."""
-    tuning = dataclasses.replace(FIXED, gemm_base_min_columns=1 if base == "in_the_expand" else 10**9)
+    (wide groups), or read from torch; from large_rows rows on in the expand launch's larger tiles, the split-K
+    base's splits summed there or still in the shrink launch (too few programs). Close to nn.Linear + PEFT's
+    formula."""
+    tuning = dataclasses.replace(FIXED, gemm_base_min_columns=1 if base == "in_the_expand" else 10**9,
+                                 fixed_large_rows=large_rows, fixed_large_block_m=16, fixed_large_block_n=32,
+                                 fixed_large_warps=4)
+    monkeypatch.setattr(kernels, "SPLIT_BASE_MIN_PROGRAMS", split_programs)
     modes = []
     group = kernels._lora_group
     monkeypatch.setattr(kernels, "_lora_group", lambda *args: modes.append(args[11]) or group(*args))
     x, weights, biases, lora_as, lora_bs, scalings = _group(41, 160, [(70, 8), (24, 4), (40, 16)], seed=0)
+    if large_rows:                                                  # the large tiles serve bf16 inputs and weights
+        x, weights, biases = x.bfloat16(), [w.bfloat16() for w in weights], [b.bfloat16() for b in biases]
     bases = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
 
     def run(rows, members=(0, 1, 2)):
@@ -56,8 +65,9 @@ def test_fixed_tiling_gives_a_row_the_same_bits_in_any_batch(base, monkeypatch):
     assert set(modes) == {{"split_k": kernels.SUMMED_BASE, "in_the_expand": kernels.GEMM_BASE,
                            "read": kernels.READ_BASE}[base]}
     for i, out in enumerate(full):
-        expected = bases[i] + scalings[i] * (x @ lora_as[i].T) @ lora_bs[i].T
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+        expected = bases[i].float() + scalings[i] * (x.float() @ lora_as[i].T) @ lora_bs[i].T
+        tolerance = dict(atol=1.0, rtol=0.02) if large_rows else dict(atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(out.float(), expected, **tolerance)
     for rows in (slice(0, 1), slice(3, 7), slice(5, 41), slice(17, 33), slice(40, 41)):
         assert all(torch.equal(part, whole[rows]) for part, whole in zip(run(rows), full)), rows
     for i in range(3):
@@ -117,6 +127,7 @@ def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(base, monk
     autograd. A base layer the kernel does not compute (under autocast to another dtype, or with a forward hook) runs
     its own forward on both sides."""
     monkeypatch.setattr(invariant_lora, "_invariant_kernel_serves", lambda device: True)
+    monkeypatch.setattr(invariant_lora, "large_tiles_agree", lambda tuning, device: True)
     tuning = invariant_tuning(True, LoraTuning(), torch.device(DEVICE))
     model, layer = _lora_layer()
     layer.base_layer.requires_grad_(True)
@@ -146,11 +157,41 @@ def test_trainer_lora_op_gives_the_generators_bits_and_peft_gradients(base, monk
         torch.testing.assert_close(got, want, **tolerance)
 
 
-def test_invariant_tuning_serves_cuda_only_and_only_with_lora_kernels():
+def test_invariant_tuning_serves_cuda_only_and_only_with_lora_kernels(monkeypatch):
+    monkeypatch.setattr(invariant_lora, "large_tiles_agree", lambda tuning, device: True)
     assert invariant_tuning(True, LoraTuning(), torch.device("cpu")) is None
     assert invariant_tuning(False, LoraTuning(), torch.device("cuda")) is None
     assert invariant_tuning(True, LoraTuning(block_m=32), torch.device("cuda")) == dataclasses.replace(
         LoraTuning(block_m=32), fixed_tiling=1)
+
+
+def test_a_device_that_rounds_large_tiles_otherwise_keeps_the_small_ones(monkeypatch):
+    """The check through the kernel (interpreted on the CPU): the same bits in both tilings; with one element of the
+    large tiles' output changed, not; invariant_tuning then turns the large tiles off."""
+    tuning = LoraTuning(fixed_tiling=1, fixed_large_rows=20, fixed_large_block_m=16, fixed_large_block_n=32,
+                        fixed_large_warps=4, summed_base_split_k=128, gemm_base_min_columns=64)
+    monkeypatch.setattr(kernels, "SPLIT_BASE_MIN_PROGRAMS", 4)       # 64 rows sum their K splits in the large tiles
+    calls = []
+    group = kernels._lora_group
+    monkeypatch.setattr(kernels, "_lora_group", lambda *args: calls.append((args[0].shape[0], args[11])) or
+                        group(*args))
+    assert invariant_lora.large_tiles_agree(tuning, torch.device(DEVICE))
+    assert {rows for rows, _ in calls} == {64, 20, 19, 7}
+    assert {mode for _, mode in calls} == {kernels.SUMMED_BASE, kernels.GEMM_BASE, kernels.READ_BASE}
+
+    def perturbed(*args):
+        outs = group(*args)
+        if args[0].shape[0] >= 20:
+            outs[0][-1, -1] = outs[0][-1, -1] * 2 + 1
+        return outs
+    monkeypatch.setattr(kernels, "_lora_group", perturbed)
+    other = dataclasses.replace(tuning, fixed_large_block_n=16)     # not the cached verdict's key
+    assert not invariant_lora.large_tiles_agree(other, torch.device(DEVICE))
+    monkeypatch.setattr(invariant_lora, "_invariant_kernel_serves", lambda device: True)
+    monkeypatch.setattr(invariant_lora, "large_tiles_agree", lambda tuning, device: False)
+    assert invariant_tuning(True, tuning, torch.device("cuda")).fixed_large_rows == 0
+    monkeypatch.setattr(invariant_lora, "large_tiles_agree", lambda tuning, device: True)
+    assert invariant_tuning(True, tuning, torch.device("cuda")) == tuning
 
 
 @pytest.mark.gpu

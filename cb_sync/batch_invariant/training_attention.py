@@ -1,7 +1,7 @@
 """The row-invariant attention of the generator (`attention.row_attention`) over a trainer's full sequences, registered
 with transformers' AttentionInterface as INVARIANT_IMPLEMENTATION: a token's attention output equals, bit for bit,
-the generator's for the same token over the same context. Its backward recomputes plain masked attention (the
-gradient of the same function; only the forward's bits are matched).
+the generator's for the same token over the same context. Its backward recomputes masked attention with torch's
+SDPA (the gradient of the same function; only the forward's bits are matched).
 
 The forward's kwargs carry `cb_positions` [B, T]: each token's position in its sequence (the generator's), -1 for
 padding; the sequences' keys are laid out in pages of the generator's block size from position 0 on."""
@@ -39,24 +39,25 @@ def _paged(key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, bloc
     return k_pages.view(shape), v_pages.view(shape), tables, row_tables
 
 
-def _plain_attention(query, key, value, positions, scale, sliding_window, softcap):
-    """Masked attention of [B, Hq, T, D] over [B, Hkv, T, D] in fp32 (autocast off), differentiable: [B, T, Hq, D]."""
-    with torch.autocast(query.device.type, enabled=False):
-        return _plain_attention_fp32(query, key, value, positions, scale, sliding_window, softcap)
-
-
-def _plain_attention_fp32(query, key, value, positions, scale, sliding_window, softcap):
-    group = query.shape[1] // key.shape[1]
-    keys, values = key.repeat_interleave(group, 1).float(), value.repeat_interleave(group, 1).float()
-    scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
+def _recomputed_attention(query, key, value, positions, scale, sliding_window, softcap):
+    """Masked attention of [B, Hq, T, D] over [B, Hkv, T, D], differentiable: [B, T, Hq, D]. torch's SDPA (its fused
+    backward) in the inputs' dtype, or without softcap support there, plain fp32 ops. Padded queries attend to
+    their own key: their rows are garbage, but finite, and get no gradient."""
     q_pos, k_pos = positions[:, None, :, None], positions[:, None, None, :]
-    allowed = (k_pos <= q_pos) & (k_pos >= 0) & (q_pos >= 0)
+    allowed = (k_pos <= q_pos) & (k_pos >= 0)
     if sliding_window:
         allowed &= k_pos > q_pos - sliding_window
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, values).transpose(1, 2).to(query.dtype)
+    allowed |= torch.eye(positions.shape[1], dtype=torch.bool, device=positions.device) & (q_pos < 0)
+    group = query.shape[1] // key.shape[1]
+    keys, values = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)   # SDPA's masked kernels want Hq
+    if not softcap:
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale)
+        return out.transpose(1, 2)
+    with torch.autocast(query.device.type, enabled=False):
+        keys, values = keys.float(), values.float()
+        scores = torch.tanh(torch.matmul(query.float(), keys.transpose(-1, -2)) * (scale / softcap)) * softcap
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return torch.matmul(probs, values).transpose(1, 2).to(query.dtype)
 
 
 class _InvariantAttention(torch.autograd.Function):
@@ -76,7 +77,7 @@ class _InvariantAttention(torch.autograd.Function):
         query, key, value, positions = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (query, key, value)]
-            out = _plain_attention(*inputs, positions, *ctx.settings)
+            out = _recomputed_attention(*inputs, positions, *ctx.settings)
             grads = torch.autograd.grad(out, inputs, grad_out)
         return (*grads, None, None, None, None, None)
 

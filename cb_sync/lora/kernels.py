@@ -17,8 +17,12 @@ fixed order (SUMMED_BASE), so narrow layers still fill the GPU.
 
 The fixed tiling (`LoraTuning.fixed_tiling`, batch-invariant mode) gives every row count the same tiles, K splits and
 base path (GEMM_BASE or SUMMED_BASE by the group's width, as above, never torch's), and cuts only the rows (into
-chunks of at most FIXED_CHUNK_ROWS): each output row is then computed by the same instructions in the same order
-whatever else shares the call, so its bits depend on that row alone."""
+chunks of at most FIXED_CHUNK_ROWS): each output row is then computed by the same sums in the same order whatever
+else shares the call, so its bits depend on that row alone. From `fixed_large_rows` rows on (bf16), the expand
+launch takes larger tiles and, where that makes enough programs, computes the split-K base's splits itself
+(SPLIT_BASE), summed in the same order: the same sums per output element, on tensor-core instructions of another
+shape, which give the same bits only where the GPU rounds them alike (`batch_invariant.lora.large_tiles_agree`
+checks that before the mode uses them)."""
 
 import functools
 import os
@@ -31,8 +35,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..tuning import LoraTuning
 
 MAX_MEMBERS = 3       # projections per launch
-READ_BASE, GEMM_BASE, SUMMED_BASE = 0, 1, 2   # where the expand launch takes the base from
+READ_BASE, GEMM_BASE, SUMMED_BASE, SPLIT_BASE = 0, 1, 2, 3   # where the expand launch takes the base from
 MAX_OFFSET = torch.iinfo(torch.int32).max   # elements of one operand within reach of the kernels' int32 offsets
+SPLIT_BASE_MIN_PROGRAMS = 264   # large tiles' programs (2 a Hopper SM) from which the split-K base runs in them
 FIXED_CHUNK_ROWS = 4096   # the fixed tiling's rows a launch pair: its split-K base partials stay ~0.5 GB or less
 _NATIVE_DOTS = os.environ.get("TRITON_INTERPRET") != "1"
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -172,11 +177,12 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
                    x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, K, stride_xm, base_partial_ptr,
                    base_splits, COMPUTE: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr, BASE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, X_IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BASE_SPLIT_K: tl.constexpr):
     """Program (row tile, column tile over all members): out = base + round(round(xa @ B^T) * scaling). BASE
     READ_BASE: base read from memory; GEMM_BASE: computed here as x @ W^T; SUMMED_BASE: the shrink launch's split-K
-    partials of x @ W^T summed in split order. Computed bases add the bias and round to the output dtype. With PDL
-    the shrink launch's results are read only after its completion is awaited (`gdc_wait`)."""
+    partials of x @ W^T summed in split order; SPLIT_BASE: the same splits computed here, summed in the same order.
+    Computed bases add the bias and round to the output dtype. With PDL the shrink launch's results are read only
+    after its completion is awaited (`gdc_wait`)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)     # row tiles fastest: a tile of W is read from memory once
     tiles0, tiles1 = tl.cdiv(n0, BLOCK_N), tl.cdiv(n1, BLOCK_N)
     if pid_n < tiles0:
@@ -203,6 +209,11 @@ def _expand_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, ba
         if BASE == 1:
             acc = _x_wt(acc, x_ptr, w_ptr, rows, cols, M, N, K, 0, K, stride_xm, 1, False, tl.float32, X_IS_BF16,
                         NATIVE, BLOCK_K)
+        if BASE == 3:
+            for k_start in range(0, K, BASE_SPLIT_K):
+                acc += _x_wt(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, rows, cols, M, N, K,
+                             k_start, tl.minimum(k_start + BASE_SPLIT_K, K), stride_xm, 1, False, tl.float32,
+                             X_IS_BF16, NATIVE, BLOCK_K)
         if PDL:
             gdc_wait()
         if BASE == 2:
@@ -292,11 +303,17 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     ranks, widths = [a.shape[0] for a in lora_as], [out.shape[1] for out in outs]
     block_r = max(16, triton.next_power_of_2(max(ranks)))
     fixed = bool(tuning.fixed_tiling)
+    large = (fixed and 0 < tuning.fixed_large_rows <= m and x.dtype == torch.bfloat16
+             and all(w.dtype == torch.bfloat16 for w in weights or []))     # the dtypes the GPU's check ran
+    large_programs = triton.cdiv(m, tuning.fixed_large_block_m) * sum(triton.cdiv(n, tuning.fixed_large_block_n)
+                                                                     for n in widths)
+    if large and base_mode == SUMMED_BASE and large_programs >= SPLIT_BASE_MIN_PROGRAMS:
+        base_mode = SPLIT_BASE                 # enough programs without splitting K: no partials to write, read back
     block_m, default_split = ((tuning.fixed_block_m, tuning.shrink_split_k) if fixed
                               else _shrink_tiles(m, k, block_k, tuning))
     split_k = default_split if split_k is None else split_k
     base_split_k, base_block_n = tuning.summed_base_split_k, tuning.summed_base_block_n
-    if split_k % block_k or (base_mode == SUMMED_BASE and base_split_k % block_k):
+    if split_k % block_k or (base_mode in (SUMMED_BASE, SPLIT_BASE) and base_split_k % block_k):
         raise ValueError(f"block_k={block_k} must divide the shrink split ({split_k} features for {m} rows) and "
                          f"the split-K base's ({base_split_k})")
     num_splits = triton.cdiv(k, split_k)
@@ -316,7 +333,11 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BASE_SPLIT_K=base_split_k, BASE_BLOCK_N=base_block_n,
         BASE_BLOCK_M=base_block_m if base_splits else 16, num_warps=tuning.shrink_warps,
         num_stages=tuning.shrink_stages)
-    if base_mode == GEMM_BASE:
+    warps = tuning.expand_warps
+    if large:
+        block_m, block_n, warps = tuning.fixed_large_block_m, tuning.fixed_large_block_n, tuning.fixed_large_warps
+        block_k = tuning.fixed_block_k if base_mode == GEMM_BASE else block_k
+    elif base_mode == GEMM_BASE:
         block_m, block_n, block_k = ((tuning.fixed_block_m, tuning.fixed_block_n, tuning.fixed_block_k) if fixed
                                      else _fused_tiles(m))
     else:
@@ -330,7 +351,7 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
         x, *_padded(weights, weights[0]), *_padded(biases, biases[0]), k, x.stride(0), base_partial, base_splits,
         COMPUTE=compute, NATIVE=_NATIVE_DOTS, PDL=pdl, BASE=base_mode, HAS_BIAS=has_bias,
         X_IS_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-        num_warps=tuning.expand_warps, num_stages=tuning.expand_stages, launch_pdl=pdl)
+        BASE_SPLIT_K=base_split_k, num_warps=warps, num_stages=tuning.expand_stages, launch_pdl=pdl)
     return outs
 
 
