@@ -197,24 +197,26 @@ def test_a_device_that_rounds_large_tiles_otherwise_keeps_the_small_ones(monkeyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["q_k_v", "gate_up", "down"])
 def test_fixed_tiling_is_row_invariant_at_4b_sizes_on_the_gpu(group):
-    """bf16 weights, fp32 adapters (PEFT's upcast), as the 4B rollout runs them: rows 0..299 against slices that move
-    a row to another place in its tile, the base in the kernel (split over K, or in the expand launch for gate/up) and
-    read from torch, under bf16 autocast too."""
+    """bf16 weights, fp32 adapters (PEFT's upcast), as the 4B rollout runs them, in the tuning the mode runs on this
+    GPU (the large tiles where its check passed): rows 0..1199 against slices that move a row to another place in its
+    tile or to the other tiling, the base in the kernel (split over K, summed in the large tiles or not, or in the
+    expand launch for gate/up) and read from torch, under bf16 autocast too."""
+    tuning = invariant_tuning(True, LoraTuning(), torch.device("cuda"))
     shapes = {"q_k_v": (2560, [(4096, 32), (1024, 32), (1024, 32)]), "gate_up": (2560, [(9728, 32), (9728, 32)]),
               "down": (9728, [(2560, 32)])}[group]
-    x, weights, _, lora_as, lora_bs, scalings = _group(300, shapes[0], shapes[1], seed=2)
+    x, weights, _, lora_as, lora_bs, scalings = _group(1200, shapes[0], shapes[1], seed=2)
     x, weights = x.bfloat16(), [w.bfloat16() / shapes[0] ** 0.5 for w in weights]
     lora_bs = [b * 1e-2 for b in lora_bs]
     for compute in (None, torch.bfloat16):
-        full = kernels.lora_linear_group(x, weights, [], lora_as, lora_bs, scalings, compute, FIXED)
-        for rows in (slice(0, 4), slice(3, 7), slice(5, 37), slice(100, 300), slice(299, 300)):
-            part = kernels.lora_linear_group(x[rows], weights, [], lora_as, lora_bs, scalings, compute, FIXED)
+        full = kernels.lora_linear_group(x, weights, [], lora_as, lora_bs, scalings, compute, tuning)
+        for rows in (slice(0, 4), slice(3, 7), slice(5, 37), slice(100, 300), slice(299, 300), slice(0, 255)):
+            part = kernels.lora_linear_group(x[rows], weights, [], lora_as, lora_bs, scalings, compute, tuning)
             assert all(torch.equal(p, f[rows]) for p, f in zip(part, full)), (compute, rows)
         bases = [torch.nn.functional.linear(x, w) for w in weights]
-        read = kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings, compute, tuning=FIXED)
-        for rows in (slice(3, 7), slice(100, 300)):
+        read = kernels.lora_add_group(x, bases, lora_as, lora_bs, scalings, compute, tuning=tuning)
+        for rows in (slice(3, 7), slice(100, 300), slice(0, 255)):
             part = kernels.lora_add_group(x[rows], [b[rows] for b in bases], lora_as, lora_bs, scalings, compute,
-                                          tuning=FIXED)
+                                          tuning=tuning)
             assert all(torch.equal(p, f[rows]) for p, f in zip(part, read))
         for got, base, a, b, scaling in zip(full, bases, lora_as, lora_bs, scalings):
             expected = base.float() + scaling * (x.float() @ a.T) @ b.T
