@@ -305,9 +305,8 @@ def _lora_group(x, outs, bases, weights, biases, lora_as, lora_bs, scalings, com
     fixed = bool(tuning.fixed_tiling)
     large = (fixed and 0 < tuning.fixed_large_rows <= m and x.dtype == torch.bfloat16
              and all(w.dtype == torch.bfloat16 for w in weights or []))     # the dtypes the GPU's check ran
-    large_programs = triton.cdiv(m, tuning.fixed_large_block_m) * sum(triton.cdiv(n, tuning.fixed_large_block_n)
-                                                                     for n in widths)
-    if large and base_mode == SUMMED_BASE and large_programs >= SPLIT_BASE_MIN_PROGRAMS:
+    if large and base_mode == SUMMED_BASE and SPLIT_BASE_MIN_PROGRAMS <= triton.cdiv(
+            m, tuning.fixed_large_block_m) * sum(triton.cdiv(n, tuning.fixed_large_block_n) for n in widths):
         base_mode = SPLIT_BASE                 # enough programs without splitting K: no partials to write, read back
     block_m, default_split = ((tuning.fixed_block_m, tuning.shrink_split_k) if fixed
                               else _shrink_tiles(m, k, block_k, tuning))
