@@ -69,7 +69,8 @@ def test_leaves_a_disabled_collector_and_anothers_freeze_alone(events):
     gc.freeze()                          # someone else's freeze
     frozen = gc.get_freeze_count()
     run_training(GcPoints(), 2, events)
-    assert events == ["step 1", "step 2"] * 2 and gc.get_freeze_count() == frozen   # still frozen: theirs
+    # still frozen: theirs (the count may drop, as a frozen object freed by its refcount leaves it; never to zero)
+    assert events == ["step 1", "step 2"] * 2 and 0 < gc.get_freeze_count() <= frozen
 
 
 def test_the_trainer_freezes_around_its_steps_and_can_leave_it_out(tmp_path, events):
