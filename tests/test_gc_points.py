@@ -1,5 +1,6 @@
-"""cb_sync.integrations.trl.gc_points: the garbage collector's objects collected and frozen at train begin and after
-the first optimizer step, never inside a step, and unfrozen when training ends or fails; the trainer wires it in."""
+"""cb_sync.integrations.trl.gc_points: the garbage collector's objects collected and frozen at train begin, after
+the first optimizer step and after any step a full collection ran in, never inside a step, and unfrozen when
+training ends or fails; the trainer wires it in."""
 
 from __future__ import annotations
 
@@ -21,19 +22,23 @@ def events(monkeypatch):
     gc.unfreeze()                        # whatever an earlier test left frozen
     monkeypatch.setattr(gc_points, "gc", SimpleNamespace(
         collect=lambda: seen.append("collect") or gc.collect(), freeze=lambda: seen.append("freeze") or gc.freeze(),
-        unfreeze=gc.unfreeze, isenabled=gc.isenabled, get_freeze_count=gc.get_freeze_count))
+        unfreeze=gc.unfreeze, isenabled=gc.isenabled, get_freeze_count=gc.get_freeze_count, callbacks=gc.callbacks))
     yield seen
     gc.unfreeze()
 
 
-def run_training(points: GcPoints, steps: int, events: list, fail_at: int | None = None) -> list[int]:
-    """Drives the callback as Trainer.train does; returns the freeze count seen at every step's begin."""
+def run_training(points: GcPoints, steps: int, events: list, fail_at: int | None = None,
+                 full_collection_in: tuple[int, ...] = ()) -> list[int]:
+    """Drives the callback as Trainer.train does, with a full collection of the collector's own inside the steps
+    named; returns the freeze count seen at every step's begin."""
     state, frozen = SimpleNamespace(global_step=0), []
     with points.training():
         points.on_train_begin(None, state, None)
         for step in range(1, steps + 1):
             frozen.append(gc.get_freeze_count())
             events.append(f"step {step}")
+            if step in full_collection_in:
+                gc.collect()             # the real collector, as its thresholds would run it: not gc_points' own
             if step == fail_at:
                 raise RuntimeError("a step failed")
             state.global_step = step
@@ -53,10 +58,20 @@ def test_collects_and_freezes_at_train_begin_and_after_the_first_step_only(event
     assert events == ["collect", "freeze", "step 1", "collect", "freeze", "step 2"]
 
 
+def test_freezes_again_after_a_later_step_in_which_a_full_collection_ran(events):
+    points = GcPoints()
+    run_training(points, 5, events, full_collection_in=(3,))
+    assert events == ["collect", "freeze", "step 1", "collect", "freeze", "step 2", "step 3", "collect", "freeze",
+                      "step 4", "step 5"]
+    assert points._count_full_collections not in gc.callbacks and gc.get_freeze_count() == 0
+
+
 def test_unfreezes_when_training_fails(events):
+    points = GcPoints()
     with pytest.raises(RuntimeError, match="a step failed"):
-        run_training(GcPoints(), 3, events, fail_at=2)
+        run_training(points, 3, events, fail_at=2)
     assert events[-1] == "step 2" and gc.get_freeze_count() == 0
+    assert points._count_full_collections not in gc.callbacks
 
 
 def test_leaves_a_disabled_collector_and_anothers_freeze_alone(events):
@@ -88,7 +103,10 @@ def test_the_trainer_freezes_around_its_steps_and_can_leave_it_out(tmp_path, eve
                                  train_dataset=dataset(), processing_class=tokenizer(), callbacks=[Steps()], **kwargs)
     on = trainer(freeze_gc=True)
     on.train()
-    assert events == ["collect", "freeze", "step 1", "collect", "freeze", "step 2"] and gc.get_freeze_count() == 0
+    # a full collection of the collector's own during step 2 adds a collect and freeze after it
+    assert events in (["collect", "freeze", "step 1", "collect", "freeze", "step 2"],
+                      ["collect", "freeze", "step 1", "collect", "freeze", "step 2", "collect", "freeze"])
+    assert gc.get_freeze_count() == 0
     off = trainer()                     # off by default
     assert off._gc_points is None and not any(isinstance(c, GcPoints) for c in off.callback_handler.callbacks)
     with pytest.raises(ValueError, match="freeze_gc must be True or False"):

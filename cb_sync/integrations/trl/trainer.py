@@ -76,8 +76,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             first steps; without dropout, values equal to the eager ones up to rounding. Not with
             batch_invariant=True, whose forwards run their own kernels.
         freeze_gc: keep Python's garbage collector out of the steps (False; `gc_points`): what is alive when training
-            begins and after the first optimizer step is collected and frozen there, so later collections walk only
-            what the run made since; unfrozen when `train` returns or raises. Nothing is done where the collector is
+            begins, after the first optimizer step and after any step a full collection ran in is collected and
+            frozen there, so later collections walk only what the run made since; unfrozen when `train` returns or raises. Nothing is done where the collector is
             disabled or objects were frozen already.
     """
 
