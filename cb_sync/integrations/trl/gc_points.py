@@ -64,4 +64,3 @@ class GcPoints(TrainerCallback):
         self.steps_seen += 1
         if self.steps_seen == 1 or self.full_collections:
             self.freeze()
-

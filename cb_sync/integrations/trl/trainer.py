@@ -77,8 +77,8 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             batch_invariant=True, whose forwards run their own kernels.
         freeze_gc: keep Python's garbage collector out of the steps (False; `gc_points`): what is alive when training
             begins, after the first optimizer step and after any step a full collection ran in is collected and
-            frozen there, so later collections walk only what the run made since; unfrozen when `train` returns or raises. Nothing is done where the collector is
-            disabled or objects were frozen already.
+            frozen there, so later collections walk only what the run made since; unfrozen when `train` returns or
+            raises. Nothing is done where the collector is disabled or objects were frozen already.
     """
 
     def __init__(self, *args, cb_config: CBConfig | None = None, release_after_rollout: bool | None = None,
