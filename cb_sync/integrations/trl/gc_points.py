@@ -31,36 +31,34 @@ class GcPoints(TrainerCallback):
     def __init__(self):
         self.active = False
         self.steps_seen = 0
-        self.full_collections = 0
+        self.full_runs_at_freeze = 0
 
     @contextlib.contextmanager
     def training(self):
         """One `Trainer.train` call: freezes happen only inside it, and whatever was frozen is unfrozen at its end."""
         self.active, self.steps_seen = gc.isenabled() and gc.get_freeze_count() == 0, 0
-        if self.active:
-            gc.callbacks.append(self._count_full_collections)
         try:
             yield
         finally:
             if self.active:
-                gc.callbacks.remove(self._count_full_collections)
                 gc.unfreeze()
             self.active = False
-
-    def _count_full_collections(self, phase: str, info: dict) -> None:
-        if phase == "stop" and info["generation"] == 2:            # CPython's oldest generation: a full run
-            self.full_collections += 1
 
     def freeze(self) -> None:
         if self.active:
             gc.collect()
             gc.freeze()
-            self.full_collections = 0
+            self.full_runs_at_freeze = full_runs()
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.freeze()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps_seen += 1
-        if self.steps_seen == 1 or self.full_collections:
+        if self.steps_seen == 1 or full_runs() > self.full_runs_at_freeze:
             self.freeze()
+
+
+def full_runs() -> int:
+    """The full collections (of the collector's oldest generation) this process has run."""
+    return gc.get_stats()[-1]["collections"]
