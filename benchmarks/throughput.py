@@ -242,14 +242,13 @@ def padded_batch(prompts, results):
 def trainer_logprobs(model, ids, mask, keep: int, temperature: float, config):
     """[B, keep] logprobs of the completion tokens from a train-mode forward without gradients, in the exact mode
     where the generator's config is."""
-    from cb_sync.batch_invariant.trainer import invariant_logits, invariant_logprobs
+    from cb_sync.batch_invariant.trainer import invariant_token_logprobs
     model.train()
     try:
         with torch.no_grad():
             if config.batch_invariant:
-                logits = invariant_logits(model, ids, mask, keep, config.block_size, config.lora_kernels,
-                                          config.tuning.lora)
-                return invariant_logprobs(logits, ids[:, -keep:], temperature)
+                return invariant_token_logprobs(model, ids, mask, keep, temperature, config.block_size,
+                                                config.lora_kernels, config.tuning.lora)[0]
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -keep - 1:-1]
             return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids[:, -keep:, None])[..., 0]
     finally:

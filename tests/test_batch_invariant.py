@@ -16,9 +16,11 @@ from cb_sync.attention.metadata import AttnMetadata
 from cb_sync.batch_invariant import attention as invariant
 from cb_sync.batch_invariant import ops, trainer
 from cb_sync.batch_invariant.ops import ROWS, invariant_ops, suspended
-from cb_sync.batch_invariant.trainer import default_forward, invariant_logits, invariant_logprobs, invariant_training
-from cb_sync.batch_invariant.training_attention import (INVARIANT_IMPLEMENTATION, invariant_attention_forward,
-                                                        positions_from_mask)
+from cb_sync.batch_invariant.logprobs import token_logprobs
+from cb_sync.batch_invariant.packing import packed_batch
+from cb_sync.batch_invariant.trainer import default_forward, invariant_token_logprobs, invariant_training
+from cb_sync.batch_invariant.training_attention import (INVARIANT_IMPLEMENTATION, batch_pages,
+                                                        invariant_attention_forward, positions_from_mask)
 from cb_sync.tuning import KernelTuning, LoraTuning
 
 from conftest import make_model, random_prompts
@@ -205,13 +207,13 @@ def test_through_the_kernels_the_trainer_gets_the_generators_logprobs(monkeypatc
     results = SyncCBDriver(model, CBConfig(batch_invariant=True, max_batch_tokens=16)).generate(prompts, params)
     ids, mask, width, keep = padded_batch(prompts, results)
     model.train()
-    logprobs = invariant_logprobs(invariant_logits(model, ids, mask, keep, block_size=16), ids[:, width:], 0.7)
+    logprobs, _ = invariant_token_logprobs(model, ids, mask, keep, 0.7, block_size=16)
     assert logprobs.requires_grad
     assert torch.equal(logprobs, torch.tensor([r.logprobs for r in results], dtype=torch.float32))
     logprobs.sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_" in n)
-    logits = invariant_logits(model, ids, mask, keep, block_size=16, lora_kernels=False)   # PEFT's forward
-    torch.testing.assert_close(invariant_logprobs(logits, ids[:, width:], 0.7), logprobs, rtol=1e-4, atol=1e-4)
+    peft, _ = invariant_token_logprobs(model, ids, mask, keep, 0.7, block_size=16, lora_kernels=False)
+    torch.testing.assert_close(peft, logprobs, rtol=1e-4, atol=1e-4)
 
 
 def _seeded(seed=11, **extra):
@@ -246,8 +248,9 @@ def test_a_request_is_bit_identical_alone_and_in_any_batch(static_decode, params
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2"])
 def test_trainer_forward_gives_the_generators_logprobs_bit_for_bit(arch):
-    """The sampled completions scored by a full-sequence forward (left-padded prompts, right-padded completions,
-    train mode, with gradients): the generator's logprobs exactly; the logits close to HF's own forward."""
+    """The sampled completions scored by a packed forward of the padded batch (left-padded prompts, right-padded
+    completions, train mode, with gradients): the generator's logprobs exactly, 0 at padding; close to HF's own
+    forward of the padded batch; entropies close to HF's."""
     model = make_model(arch, lora=arch == "qwen3")
     prompts = random_prompts([5, 19, 11, 30], seed=3)
     lengths = [12, 7, 12, 9]
@@ -257,25 +260,89 @@ def test_trainer_forward_gives_the_generators_logprobs_bit_for_bit(arch):
     ids, mask, width, keep = padded_batch(prompts, results)
     assert keep == max(lengths)
     model.train()
-    logits = invariant_logits(model, ids, mask, keep, block_size=16)
-    logprobs = invariant_logprobs(logits, ids[:, width:], 0.7)
+    logprobs, entropies = invariant_token_logprobs(model, ids, mask, keep, 0.7, block_size=16, entropies=True)
+    real = mask[:, width:].bool()
     for i, result in enumerate(results):
         assert torch.equal(logprobs[i, :len(result.logprobs)], torch.tensor(result.logprobs, dtype=torch.float32))
-    positions = positions_from_mask(mask)
+    assert not logprobs[~real].any() and not entropies[~real].any()
     with torch.no_grad():
-        plain = model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp(min=0)).logits[:, -keep - 1:-1]
-    real = mask[:, width:].bool()
-    torch.testing.assert_close(logits[real], plain[real], rtol=1e-4, atol=1e-4)
+        plain = model(input_ids=ids, attention_mask=mask,
+                      position_ids=positions_from_mask(mask).clamp(min=0)).logits[:, -keep - 1:-1].float() / 0.7
+    plain_logps = torch.log_softmax(plain, -1)
+    torch.testing.assert_close(logprobs[real], plain_logps.gather(-1, ids[:, width:, None])[..., 0][real],
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(entropies[real], -(plain_logps.exp() * plain_logps).sum(-1)[real], rtol=1e-4,
+                               atol=1e-4)
     logprobs[real].sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
+def test_packed_batch_keeps_the_real_tokens_and_scores_the_completions():
+    """Left-padded prompts, right-padded completions, and a row whose completion is empty: the packed row holds the
+    real tokens in order at their positions, and the scored tokens are the completions' (each predicted by the
+    token before it)."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0], [0, 1, 2, 3, 9, 0, 0], [4, 4, 4, 4, 0, 0, 0]])
+    mask = (ids > 0).long()
+    packed = packed_batch(ids, mask, 3, 4)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 1, 2, 3, 9, 4, 4, 4, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]]
+    assert packed.pages.sequences.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert packed.targets.tolist() == [7, 8, 9] and packed.predicting.tolist() == [1, 2, 6]
+    assert packed.scored.tolist() == [0, 1, 3]
+    assert packed.unpacked(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1, 2, 0], [3, 0, 0], [0, 0, 0]]
+    nothing = packed_batch(ids[2:], mask[2:], 3, 4)                     # nothing scored: one row computed, dropped
+    assert nothing.predicting.numel() == 1 and nothing.scored.numel() == 0
+    assert nothing.unpacked(torch.tensor([5.0])).tolist() == [[0, 0, 0]]
+
+
+def test_packed_forward_equals_the_padded_batchs_bit_for_bit():
+    """The same rows scored padded (a row per sequence) and packed (every sequence in one row): the same bits, in a
+    left-padded and a right-padded layout, also with a sliding window."""
+    for arch in ("qwen3", "mistral"):
+        model = make_model(arch)
+        ids = torch.tensor(random_prompts([21, 21, 21], seed=8))
+        mask = torch.ones_like(ids)
+        mask[0, :6], mask[1, 15:] = 0, 0
+        packed, _ = invariant_token_logprobs(model, ids, mask, 10, 0.9, block_size=4)
+        with invariant_training(model):
+            logits = model(input_ids=ids, position_ids=positions_from_mask(mask).clamp(min=0),
+                           cb_pages=batch_pages(mask, 4), use_cache=False).logits[:, -11:-1]
+        padded, _ = token_logprobs(logits.reshape(-1, logits.shape[-1]), ids[:, -10:].flatten(), 0.9)
+        real = (mask[:, -10:] * mask[:, -11:-1]).bool()
+        assert torch.equal(packed[real], padded.view(3, 10)[real])
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_token_logprobs_and_entropies_and_their_gradients_are_autograds(monkeypatch, entropy_grad):
+    """Over several chunks of rows: values and gradients (of the logprobs and, with entropy_grad, the entropies)
+    those of plain autograd; without entropy_grad the entropies carry none."""
+    from cb_sync.batch_invariant import logprobs as chunked
+    monkeypatch.setattr(chunked, "CHUNK_ROWS", 4)
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(11, 70, generator=gen, requires_grad=True)
+    tokens = torch.randint(0, 70, (11,), generator=gen)
+    weights, entropy_weights = torch.randn(11, generator=gen), torch.randn(11, generator=gen)
+    logps, entropies = token_logprobs(logits, tokens, 0.7, entropies=True, entropy_grad=entropy_grad)
+    assert entropies.requires_grad == entropy_grad
+    ((logps * weights).sum() + ((entropies * entropy_weights).sum() if entropy_grad else 0)).backward()
+    reference = logits.detach().clone().requires_grad_()
+    log_probs = torch.log_softmax(reference / 0.7, dim=-1)
+    want_logps, want_entropies = log_probs.gather(-1, tokens[:, None])[:, 0], -(log_probs.exp() * log_probs).sum(-1)
+    ((want_logps * weights).sum() + ((want_entropies * entropy_weights).sum() if entropy_grad else 0)).backward()
+    torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logps, want_logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropies, want_entropies, rtol=1e-5, atol=1e-6)
+    assert token_logprobs(logits, tokens, 0.7)[1] is None
+
+
 def test_training_attention_matches_sdpa_forward_and_backward():
-    """Against torch's SDPA with the same mask (an independent reference): outputs close, gradients close."""
+    """Against torch's SDPA with the same mask (an independent reference), a padded batch (left- and right-padded
+    rows) and the same sequences packed into one row: outputs close, gradients close; padding gets none."""
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, h, 10, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
-    positions = positions_from_mask(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 7 + [0] * 3]))
-    out, _ = invariant_attention_forward(None, q, k, v, None, 0.3, cb_positions=positions, cb_block_size=4)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 7 + [0] * 3])
+    positions = positions_from_mask(mask)
+    out, _ = invariant_attention_forward(None, q, k, v, None, 0.3, cb_pages=batch_pages(mask, 4))
     allowed = (positions[:, None, None, :] <= positions[:, None, :, None]) & (positions[:, None, None, :] >= 0)
     allowed |= (positions < 0)[:, None, :, None]                  # padded queries: any keys (their rows are dropped)
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
@@ -283,34 +350,32 @@ def test_training_attention_matches_sdpa_forward_and_backward():
     real = positions >= 0
     torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-6)
     grad = torch.randn(out.shape, generator=gen) * real[..., None, None]
-    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_invariant_logprobs_gradient_is_autograds():
-    gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(3, 5, 70, generator=gen, requires_grad=True)
-    tokens = torch.randint(0, 70, (3, 5), generator=gen)
-    weights = torch.randn(3, 5, generator=gen)
-    (invariant_logprobs(logits, tokens, 0.7) * weights).sum().backward()
-    reference = logits.detach().clone().requires_grad_()
-    logps = torch.log_softmax(reference / 0.7, dim=-1).gather(-1, tokens[..., None])[..., 0]
-    (logps * weights).sum().backward()
-    torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(invariant_logprobs(logits, tokens, 0.7), logps, rtol=1e-6, atol=1e-6)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for got, wanted in zip(torch.autograd.grad(out, (q, k, v), grad), want):
+        torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-6)
+        assert not got.transpose(1, 2)[~real].any()
+    flat = real.flatten()
+    packed_q, packed_k, packed_v = (t.detach().transpose(1, 2).reshape(20, -1, 8)[flat].transpose(0, 1)[None]
+                                    .requires_grad_() for t in (q, k, v))
+    packed = packed_batch(torch.ones_like(mask), mask, 1, 4)
+    out, _ = invariant_attention_forward(None, packed_q, packed_k, packed_v, None, 0.3, cb_pages=packed.pages)
+    torch.testing.assert_close(out[0], expected[real], rtol=1e-5, atol=1e-6)
+    for got, wanted in zip(torch.autograd.grad(out, (packed_q, packed_k, packed_v), grad[real][None]), want):
+        torch.testing.assert_close(got[0].transpose(0, 1), wanted.transpose(1, 2)[real], rtol=1e-5, atol=1e-6)
 
 
 def test_trainer_pages_hold_one_table_per_sequence():
     """The trainer's sequences in pages: a table per sequence and each token's sequence, not a table per token (which
     would take B x T x pages entries a layer: 256 MiB at 8 x 8,192 tokens)."""
-    from cb_sync.batch_invariant.training_attention import _paged, positions_from_mask
-    key = torch.randn(3, 2, 40, 16)
+    from cb_sync.batch_invariant.training_attention import _paged
+    key = torch.randn(3, 40, 2, 16)
     mask = torch.ones(3, 40, dtype=torch.long)
     mask[1, :7] = 0                                                    # a left-padded row
-    k_pages, v_pages, tables, row_tables = _paged(key, key, positions_from_mask(mask), 16)
-    assert tables.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and k_pages.shape == (9, 16, 2, 16)
-    assert row_tables.tolist() == [0] * 40 + [1] * 40 + [2] * 40
-    assert torch.equal(k_pages[3, 0], key[1, :, 7]) and torch.equal(k_pages[6, 0], key[2, :, 0])
+    pages = batch_pages(mask, 16)
+    k_pages = _paged(key.flatten(0, 1), pages)
+    assert pages.tables.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and k_pages.shape == (9, 16, 2, 16)
+    assert pages.sequences.tolist() == [0] * 40 + [1] * 40 + [2] * 40
+    assert torch.equal(k_pages[3, 0], key[1, 7]) and torch.equal(k_pages[6, 0], key[2, 0])
 
 
 def test_attention_stays_fp32_under_autocast():
@@ -333,8 +398,8 @@ def test_trainer_forward_of_a_ddp_wrapped_model(tmp_path):
         ids = torch.tensor(random_prompts([12, 12], seed=6))
         mask = torch.ones_like(ids)
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        torch.testing.assert_close(invariant_logits(wrapped, ids, mask, 4, 16), invariant_logits(model, ids, mask, 4,
-                                                                                                  16), rtol=0, atol=0)
+        torch.testing.assert_close(invariant_token_logprobs(wrapped, ids, mask, 4, 1.0, 16),
+                                   invariant_token_logprobs(model, ids, mask, 4, 1.0, 16), rtol=0, atol=0)
         assert model.config._attn_implementation == "sdpa"
     finally:
         dist.destroy_process_group()

@@ -296,7 +296,7 @@ def test_batch_invariant_mode_on_the_4b_shape():
     train-mode full-sequence forward of the batch (left-padded) gives the generator's logprobs bit for bit."""
     from benchmarks.throughput import padded_batch
     from benchmarks.harness import build_model
-    from cb_sync.batch_invariant.trainer import invariant_logits, invariant_logprobs
+    from cb_sync.batch_invariant.trainer import invariant_token_logprobs
 
     model = build_model(lora=True)
     gen = torch.Generator().manual_seed(0)
@@ -308,11 +308,10 @@ def test_batch_invariant_mode_on_the_4b_shape():
     batch = SyncCBDriver(model, config).generate(prompts, params)
     alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([prompts[5]], params[5])[0]
     assert alone.token_ids == batch[5].token_ids and alone.logprobs == batch[5].logprobs
-    ids, mask, width, _ = padded_batch(prompts, batch)
+    ids, mask, _, _ = padded_batch(prompts, batch)
     model.train()
     with torch.no_grad():
-        logits = invariant_logits(model, ids.cuda(), mask.cuda(), 48, config.block_size)
-    logprobs = invariant_logprobs(logits, ids[:, width:].cuda(), 1.0).cpu()
+        logprobs = invariant_token_logprobs(model, ids.cuda(), mask.cuda(), 48, 1.0, config.block_size)[0].cpu()
     model.eval()
     assert torch.equal(logprobs, torch.tensor([r.logprobs for r in batch], dtype=torch.float32))
     # as the GRPO trainer runs it: rollout and loss forward under bf16 autocast, the loss's with gradients (the LoRA
@@ -321,10 +320,9 @@ def test_batch_invariant_mode_on_the_4b_shape():
         batch = SyncCBDriver(model, config).generate(prompts[:8], params[:8])
         alone = SyncCBDriver(model, CBConfig(batch_invariant=True)).generate([prompts[5]], params[5])[0]
         assert alone.token_ids == batch[5].token_ids and alone.logprobs == batch[5].logprobs
-        ids, mask, width, _ = padded_batch(prompts[:8], batch)
+        ids, mask, _, _ = padded_batch(prompts[:8], batch)
         model.train()
-        logits = invariant_logits(model, ids.cuda(), mask.cuda(), 48, config.block_size)
-    logprobs = invariant_logprobs(logits, ids[:, width:].cuda(), 1.0)
+        logprobs, _ = invariant_token_logprobs(model, ids.cuda(), mask.cuda(), 48, 1.0, config.block_size)
     model.eval()
     assert logprobs.requires_grad
     assert torch.equal(logprobs.detach().cpu(), torch.tensor([r.logprobs for r in batch], dtype=torch.float32))

@@ -311,12 +311,12 @@ def test_release_after_rollout_none_frees_only_caches_over_the_limit(tmp_path, m
 
 def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monkeypatch):
     """In batch-invariant mode the reference policy's forward (beta > 0: the PEFT model with its adapters disabled)
-    takes the default path, the policy's forwards the invariant one, and the gap stays exactly 0; `scores_reference`
-    also knows TRL's ref_model and a "ref" adapter."""
+    takes the default path (trimmed of shared padding), the policy's forwards the invariant one, and the gap stays
+    exactly 0; `scores_reference` also knows TRL's ref_model and a "ref" adapter."""
     from peft import LoraConfig
 
     paths = []
-    invariant, default = exact_mode.invariant_logits, trl_trainer.warmed_logps_and_entropies
+    invariant, default = exact_mode.invariant_token_logprobs, trl_trainer.trimmed_logps_and_entropies
 
     def adapters_on(model):
         return not any(m.disable_adapters for m in exact_mode.adapter_layers(model))
@@ -329,8 +329,8 @@ def test_batch_invariant_scores_the_reference_on_the_default_path(tmp_path, monk
         paths.append(("default", adapters_on(unwrapped)))
         return default(trl_forward, model, *args, unwrapped=unwrapped, **kwargs)
 
-    monkeypatch.setattr(exact_mode, "invariant_logits", recording_invariant)
-    monkeypatch.setattr(trl_trainer, "warmed_logps_and_entropies", recording_default)
+    monkeypatch.setattr(exact_mode, "invariant_token_logprobs", recording_invariant)
+    monkeypatch.setattr(trl_trainer, "trimmed_logps_and_entropies", recording_default)
     trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
                                 args=grpo_args(tmp_path, max_steps=1, beta=0.1), train_dataset=dataset(),
                                 processing_class=tokenizer(),
@@ -467,3 +467,30 @@ def test_generate_single_turn_contract(tmp_path, monkeypatch):
     assert ids[0] != ids[1]  # same prompt, different samples
     with pytest.raises(NotImplementedError):
         trainer._generate_single_turn(prompts, [None] * 4, {}, num_generations=1, has_tool_images=True)
+
+
+def test_the_exact_mode_takes_the_generators_logprobs_as_trls_old_logps(tmp_path, monkeypatch):
+    """Where TRL scores a rollout again before training on it (num_iterations=2: its old logps), the exact mode
+    hands it the generator's logprobs instead: no forward of the policy without gradients runs, TRL's old logps
+    are the generator's, and no gap is logged from them (they are its own numbers)."""
+    from peft import LoraConfig
+
+    forwards, scored = [], []
+    invariant = exact_mode.invariant_token_logprobs
+    monkeypatch.setattr(exact_mode, "invariant_token_logprobs",
+                        lambda *args, **kwargs: forwards.append(torch.is_grad_enabled()) or invariant(*args, **kwargs))
+    trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,
+                                args=grpo_args(tmp_path, max_steps=2, per_device_train_batch_size=4,
+                                               gradient_accumulation_steps=2, num_iterations=2),
+                                train_dataset=dataset(), processing_class=tokenizer(),
+                                peft_config=LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
+                                cb_config=CBConfig(block_size=4, max_batch_tokens=16, batch_invariant=True))
+    score = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: scored.append(score(inputs)) or scored[-1]
+    trainer.train()
+    assert scored and forwards and all(forwards)
+    for output in scored:
+        mask = output["completion_mask"].bool()
+        assert torch.equal(output["old_per_token_logps"][mask], output["sampling_per_token_logps"][mask])
+    assert logged(trainer, "sampling/sampling_logp_difference/max") == []
+    assert all(g > 0 for g in logged(trainer, "grad_norm"))

@@ -2,8 +2,9 @@
 logprobs `SyncCBDriver` returned when it sampled them with `CBConfig(batch_invariant=True)`.
 
 The model runs its own forward (with gradients) under `batch_invariant.invariant_ops()` and the generator's fused
-kernels (`fused_forwards`), its attention through the generator's row-invariant kernel (`training_attention`) at the
-tokens' own positions (padding removed), and the logprobs come from the sampler's op over logits / temperature."""
+kernels (`fused_forwards`) over the batch's real tokens packed into one row (`packing`), its attention through the
+generator's row-invariant kernel (`training_attention`) at the tokens' own positions, and the logprobs come from the
+sampler's op over logits / temperature, a chunk of rows at a time (`logprobs`)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import torch
 from ..lora import lora_kernels as lora_forwards
 from ..model_patching.generation_mode import attention_implementations, restore_attention
 from ..model_patching.swaps import base_model, forwards_swapped, module_list
-from ..sampling import chosen_logprobs
 from ..tuning import LoraTuning
 from .fused_forwards import fused_forwards
+from .logprobs import token_logprobs
 from .lora import invariant_tuning, lora_linear
 from .ops import invariant_ops, suspended
-from .training_attention import INVARIANT_IMPLEMENTATION, positions_from_mask
+from .packing import packed_batch
+from .training_attention import INVARIANT_IMPLEMENTATION
 
 _OUTSIDE_ATTENTION: dict[int, list] = {}   # id(config) -> `attention_implementations` outside `invariant_training`
 
@@ -37,7 +39,7 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextmanager
 def invariant_training(model: torch.nn.Module, lora_kernels: bool = True, tuning: LoraTuning = LoraTuning()):
-    """Within the block, the model's forwards (with the cb_positions / cb_block_size kwargs of `invariant_logits`)
+    """Within the block, the model's forwards (with the cb_pages kwarg of `invariant_token_logprobs`)
     run batch-invariantly: also a forward recomputed by gradient checkpointing during backward, which must save what
     the first one saved. PEFT LoRA layers run the generator's LoRA kernel where its driver does (lora_kernels and
     tuning: the generator's CBConfig's). The attention implementation is restored after (model may be wrapped, e.g.
@@ -89,42 +91,29 @@ def _in_invariant_ops(forward):
     return wrapped
 
 
-def invariant_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     logits_to_keep: int, block_size: int, lora_kernels: bool = True,
-                     tuning: LoraTuning = LoraTuning()) -> torch.Tensor:
-    """Logits [B, logits_to_keep, V] predicting the last logits_to_keep tokens of each row, batch-invariantly
-    (input_ids / attention_mask [B, T], left- or right-padded; block_size, lora_kernels and tuning: the generator's
-    CBConfig's block_size, lora_kernels and tuning.lora)."""
-    positions = positions_from_mask(attention_mask)
+def invariant_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             logits_to_keep: int, temperature: float, block_size: int, lora_kernels: bool = True,
+                             tuning: LoraTuning = LoraTuning(), entropies: bool = False,
+                             entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs [B, logits_to_keep] of the last logits_to_keep tokens of each row, batch-invariantly: the
+    generator's bits for every real token that follows a real one, 0 elsewhere. The batch is packed (`packing`):
+    the forward computes no padding and the LM head only the scored tokens' rows.
+
+    Args:
+        model: the policy (maybe wrapped), run with gradients where they are enabled.
+        input_ids, attention_mask: [B, T], left- or right-padded.
+        logits_to_keep: the completion's columns, at the end of each row.
+        temperature: the sampling temperature the logprobs are taken at.
+        block_size, lora_kernels, tuning: the generator's CBConfig's block_size, lora_kernels and tuning.lora.
+        entropies: also return the entropies of the same distributions ([B, logits_to_keep], 0 where not scored).
+        entropy_grad: the entropies carry gradients (an entropy bonus in the loss).
+
+    Returns:
+        (logprobs, entropies or None), fp32.
+    """
+    packed = packed_batch(input_ids, attention_mask, logits_to_keep, block_size)
     with invariant_training(model, lora_kernels, tuning):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.clamp(min=0),
-                       cb_positions=positions, cb_block_size=block_size, logits_to_keep=logits_to_keep + 1,
-                       use_cache=False).logits
-    return logits[:, :-1]
-
-
-def invariant_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, L] logprobs of tokens [B, L] under log_softmax(logits [B, L, V] / temperature), as the sampler computes
-    them (a temperature column in fp32, the log_softmax in invariant row blocks). Differentiable; for backward it keeps
-    the logits alone, not fp32 copies of [rows, vocab] (`_ChosenLogprobs`)."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    temperatures = torch.full((rows.shape[0], 1), temperature, dtype=torch.float32, device=rows.device)
-    return _ChosenLogprobs.apply(rows, tokens.reshape(-1), temperatures).view(tokens.shape)
-
-
-class _ChosenLogprobs(torch.autograd.Function):
-    """chosen_logprobs(rows.float() / temperatures, tokens), its gradient (onehot - softmax) / temperature
-    recomputed in backward."""
-
-    @staticmethod
-    def forward(ctx, rows, tokens, temperatures):
-        ctx.save_for_backward(rows, tokens, temperatures)
-        with invariant_ops():
-            return chosen_logprobs(rows.float() / temperatures, tokens)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, tokens, temperatures = ctx.saved_tensors
-        grad_scaled = torch.softmax(rows.float() / temperatures, dim=-1).mul_(-grad[:, None])
-        grad_scaled.scatter_add_(1, tokens[:, None], grad[:, None])
-        return grad_scaled.div_(temperatures).to(rows.dtype), None, None
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, cb_pages=packed.pages,
+                       logits_to_keep=packed.predicting, use_cache=False).logits[0]
+    logps, ents = token_logprobs(logits, packed.targets, temperature, entropies, entropy_grad)
+    return packed.unpacked(logps), packed.unpacked(ents) if entropies else None

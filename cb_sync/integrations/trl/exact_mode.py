@@ -4,14 +4,18 @@ The rollouts and the trainer's own forwards of the policy (the loss's and TRL's 
 gradient checkpointing recomputes) run batch-invariantly (`cb_sync.batch_invariant.trainer`): the generator's logprobs
 equal the trainer's bit for bit, so the logprob gap is exactly 0 and every importance ratio exactly 1. The reference
 policy's forward enters the KL term only, so it takes the default path (`scores_reference`). The trained model may
-hold no dropout, which the rollout does not run (`check_training`)."""
+hold no dropout, which the rollout does not run (`check_training`).
+
+Where TRL would score a rollout again before training on it (its old logps: num_iterations > 1, more micro-batches a
+rollout than an optimizer step takes, or the importance-sampling correction), that forward would only recompute the
+generator's logprobs at the same weights, bit for bit: `RolloutLogprobs` hands TRL the generator's instead."""
 
 from __future__ import annotations
 
 import torch
 
 from ...batch_invariant.ops import check_model
-from ...batch_invariant.trainer import invariant_logits, invariant_logprobs, invariant_training
+from ...batch_invariant.trainer import invariant_token_logprobs, invariant_training
 from ...config import CBConfig
 from ...model_patching.swaps import base_model, module_list
 
@@ -61,7 +65,7 @@ def logps_and_entropies(model: torch.nn.Module, input_ids: torch.Tensor, attenti
                         compute_aux_loss: bool = False, *, config: CBConfig, temperature: float, autocast,
                         entropy_with_grad: bool, **multimodal):
     """TRL's `_get_per_token_logps_and_entropies` in the exact mode: the logprobs of the generator's kernels and op,
-    equal to the rollout's bit for bit, and entropies from the same logits.
+    equal to the rollout's bit for bit, and entropies from the same logits; 0 at the columns TRL masks (padding).
 
     Args:
         model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss: TRL's.
@@ -80,14 +84,42 @@ def logps_and_entropies(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     for start in range(0, input_ids.size(0), batch_size):
         ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
         with autocast():
-            logits = invariant_logits(model, ids, mask, logits_to_keep, config.block_size, config.lora_kernels,
-                                      config.tuning.lora)
-        logps.append(invariant_logprobs(logits, ids[:, -logits_to_keep:], temperature))
-        if compute_entropy:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_with_grad):
-                log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-                entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+            chunk_logps, chunk_entropies = invariant_token_logprobs(
+                model, ids, mask, logits_to_keep, temperature, config.block_size, config.lora_kernels,
+                config.tuning.lora, entropies=compute_entropy, entropy_grad=entropy_with_grad)
+        logps.append(chunk_logps)
+        entropies.append(chunk_entropies)
     return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+
+class RolloutLogprobs:
+    """The generator's logprobs of the rollout being scored, kept from TRL's `_generate` until TRL asks for its old
+    logps (a forward of the policy without gradients), which they are in the exact mode. Not kept for a rollout with
+    tool calls (tool results are not the generator's tokens)."""
+
+    def __init__(self):
+        self._pending: list | None = None
+        self.taken = False       # the rollout's old logps are the generator's
+
+    def keep(self, logprobs: list | None, tool_mask: list | None) -> None:
+        """A new rollout's per-completion logprobs (TRL's `_generate`'s) and tool masks."""
+        self._pending = logprobs if tool_mask is None else None
+        self.taken = False
+
+    def take(self, rows: int, logits_to_keep: int, device: torch.device) -> torch.Tensor | None:
+        """[rows, logits_to_keep] old logps (0 past each completion) where the kept rollout has that many rows that
+        fit, once; else None (the forward runs)."""
+        logprobs, self._pending = self._pending, None
+        if logprobs is None or len(logprobs) != rows or any(len(row) > logits_to_keep for row in logprobs):
+            return None
+        old = torch.zeros(rows, logits_to_keep, dtype=torch.float32)
+        for i, row in enumerate(logprobs):
+            old[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+        self.taken = True
+        return old.to(device)
+
+    def clear(self) -> None:
+        self._pending = None
 
 
 def adapter_layers(model: torch.nn.Module):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
@@ -27,7 +28,7 @@ from .checks import check_arguments, refuse_sharded_parameters
 from .gc_points import GcPoints
 from .generation import CBSyncGeneration
 from .importance_sampling import vllm_importance_sampling
-from .length_groups import by_length, length_groups_wanted
+from .length_groups import by_length, has_learned_positions, length_groups_wanted
 from .logprob_forwards import trimmed_logps_and_entropies, warmed_logps_and_entropies
 from .logprob_gap import LogprobGap
 from .lora_input_casts import input_casts
@@ -94,6 +95,7 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self._attention_warmup = AttentionWarmup(self._tokenizer.pad_token_id, self.accelerator.autocast)
         self._compiled_layers = CompiledLayers() if compile_layers else None
         self._logprob_gap = LogprobGap(self.accelerator)
+        self._rollout_logprobs = exact_mode.RolloutLogprobs()
         self._gc_points = GcPoints() if freeze_gc else None
         if self._gc_points is not None:
             self.add_callback(self._gc_points)
@@ -139,9 +141,12 @@ class CBSyncGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts: list):
         try:
-            return super()._generate(prompts)
+            generated = super()._generate(prompts)
         finally:
             self.cb_generation.after_rollout()
+        if self.cb_config.batch_invariant:
+            self._rollout_logprobs.keep(generated[4], generated[2])
+        return generated
 
     def _prepare_inputs(self, generation_batch):
         buffered = self._buffered_inputs
@@ -174,9 +179,14 @@ class CBSyncGRPOTrainer(GRPOTrainer):
             yield
 
     def _generate_and_score_completions(self, inputs):
-        with vllm_importance_sampling(self, self.importance_sampling_correction):
-            output = super()._generate_and_score_completions(inputs)
-        if self._logs_gap(output) and output.get("old_per_token_logps") is not None:
+        try:
+            with vllm_importance_sampling(self, self.importance_sampling_correction):
+                output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._rollout_logprobs.clear()
+        # old logps taken from the generator give no gap to log: they are its own numbers
+        if (self._logs_gap(output) and output.get("old_per_token_logps") is not None
+                and not self._rollout_logprobs.taken):
             self._logprob_gap.add(output["old_per_token_logps"], output, self._mode())
         return output
 
@@ -193,19 +203,29 @@ class CBSyncGRPOTrainer(GRPOTrainer):
         self._logprob_gap.forward_done(out[0])
         return out
 
-    def _logps_and_entropies(self, model, *args, **kwargs):
-        """TRL's logprob forward as this trainer runs it: in the exact mode the policy's through the invariant path
-        and the reference's through the default one; otherwise trimmed by length groups or over whole rows."""
+    def _logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's logprob forward as this trainer runs it. In the exact mode: the policy's through the invariant path,
+        or without gradients during a rollout's scoring (TRL's old logps), the generator's own logprobs; the
+        reference's through the default one, trimmed of shared padding. Otherwise trimmed by length groups or over
+        whole rows."""
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        if self.cb_config.batch_invariant and not exact_mode.scores_reference(model, unwrapped, self.ref_model):
-            return exact_mode.logps_and_entropies(model, *args, config=self.cb_config, temperature=self.temperature,
+        exact = self.cb_config.batch_invariant
+        if exact and not exact_mode.scores_reference(model, unwrapped, self.ref_model):
+            if not torch.is_grad_enabled():
+                old = self._rollout_logprobs.take(input_ids.size(0), logits_to_keep, input_ids.device)
+                if old is not None:
+                    return old, None, None
+            return exact_mode.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                  config=self.cb_config, temperature=self.temperature,
                                                   autocast=self.accelerator.autocast,
                                                   entropy_with_grad=self._entropy_bonus_enabled, **kwargs)
-        forward = trimmed_logps_and_entropies if self.group_by_length else warmed_logps_and_entropies
+        trimmed = self.group_by_length or (exact and not has_learned_positions(unwrapped))
+        forward = trimmed_logps_and_entropies if trimmed else warmed_logps_and_entropies
         # the training step runs inside the exact mode's training forwards: the reference leaves them
-        with default_forward(unwrapped) if self.cb_config.batch_invariant else contextlib.nullcontext():
-            return forward(super()._get_per_token_logps_and_entropies, model, *args, unwrapped=unwrapped,
-                           warmup=self._attention_warmup, pad_token_id=self._tokenizer.pad_token_id, **kwargs)
+        with default_forward(unwrapped) if exact else contextlib.nullcontext():
+            return forward(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
+                           logits_to_keep, *args, unwrapped=unwrapped, warmup=self._attention_warmup,
+                           pad_token_id=self._tokenizer.pad_token_id, **kwargs)
 
     def _logs_gap(self, batch: dict) -> bool:
         """Whether this trainer logs the gap of a batch (with the correction on, TRL logs it)."""
