@@ -19,7 +19,8 @@ from ..batch_invariant.fused_forwards import fused_forwards
 from ..batch_invariant.lora import invariant_tuning
 from ..config import CBConfig, SamplingParams
 from ..lora import kernel_row_limit, lora_kernels
-from ..model_patching.generation_mode import check_supported, generation_mode
+from ..model_patching.generation_mode import generation_mode
+from ..model_patching.support import check_supported
 from ..model_patching.swaps import base_model
 from ..runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
 from ..runner.compiled import eager_forward
@@ -62,8 +63,10 @@ class SyncCBDriver:
                 do).
 
         Raises:
-            ValueError: a parameter or buffer holds no values (the meta device), the model's attention cannot be
-                replaced, or (with `batch_invariant`) the model has layers the exact mode does not cover.
+            ValueError: a parameter or buffer holds no values (the meta device), a model cb_sync cannot drive
+                (`model_patching.support.check_supported`: not a transformers model, an encoder-decoder, layers
+                that are not attention, attention it cannot replace or reach), or (with `batch_invariant`) layers
+                the exact mode does not cover.
         """
         self.model = model
         self.config = config or CBConfig()
