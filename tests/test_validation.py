@@ -222,3 +222,18 @@ def test_padded_rows_of_a_2d_prompt_warn_once_a_call():
     assert pad_warnings(model, torch.tensor(padded)) == []
     model.config.pad_token_id = 3
     assert len(pad_warnings(model, torch.tensor(padded))) == 1
+
+
+def test_suppress_tokens_that_leave_no_token_to_choose_are_refused(model):
+    everything = SamplingParams(max_new_tokens=2, suppress_tokens=list(range(VOCAB)))
+    with pytest.raises(ValueError, match=f"request 1: suppress_tokens cover all {VOCAB} token ids: no token is "
+                                         "left to choose"):
+        no_work_driver(model).generate(random_prompts([3, 4]), [SamplingParams(max_new_tokens=2), everything])
+    but_eos = SamplingParams(max_new_tokens=4, suppress_tokens=list(range(1, VOCAB)), eos_token_id=0,
+                             min_new_tokens=1, do_sample=True)
+    with pytest.raises(ValueError, match=f"request 0: suppress_tokens, with the EOS and stop ids min_new_tokens=1 "
+                                         f"masks, cover all {VOCAB} token ids: no token is left to choose"):
+        no_work_driver(model).generate(random_prompts([3]), but_eos)
+    for sample in (False, True):
+        one_left = SamplingParams(max_new_tokens=3, suppress_tokens=list(range(1, VOCAB)), do_sample=sample)
+        assert SyncCBDriver(model).generate(random_prompts([3]), one_left, seed=0)[0].token_ids == [0, 0, 0]

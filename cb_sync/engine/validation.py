@@ -31,7 +31,8 @@ def check_materialized(model: torch.nn.Module) -> None:
 
 def build_requests(prompts, params, seed: int | None, vocab_size: int, generation_config) -> list[Request]:
     """One Request per prompt (a 2-D tensor or array gives its rows); a request without a seed of its own draws one
-    from `seed` (None: torch's global RNG). Errors are ValueErrors naming the request and the bad value."""
+    from `seed` (None: torch's global RNG, drawn from only once every check has passed). Errors are ValueErrors
+    naming the request and the bad value."""
     rows = prompt_rows(prompts)
     params = SamplingParams() if params is None else params
     if isinstance(params, SamplingParams):
@@ -41,29 +42,39 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
     elif len(params) != len(rows):
         raise ValueError(f"got {len(params)} SamplingParams for {len(rows)} prompts")
     seed = seed_int(seed)
-    checked = set()
+    default_eos = generation_config.eos_token_id if generation_config is not None else None
+    eos_ids = {}                                      # id(params) -> its EOS ids, once it has been checked
     for index, p in enumerate(params):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"request {index}: params must be SamplingParams, got {type(p).__name__}")
-        if id(p) not in checked:                      # again: a dataclass may have been changed since it was built
-            checked.add(id(p))
+        if id(p) not in eos_ids:                      # again: a dataclass may have been changed since it was built
             try:
                 p.__post_init__()
             except ValueError as error:
                 raise ValueError(f"request {index}: {error}") from None
-            outside = [t for t in p.suppress_tokens if t >= vocab_size]
-            if outside:
-                raise ValueError(f"request {index}: suppress_tokens {outside} are not ids in [0, {vocab_size})")
+            eos = p.eos_token_id if p.eos_token_id is not None else default_eos
+            eos_ids[id(p)] = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+            _check_masks(index, p, eos_ids[id(p)], vocab_size)
     prompts = [_check_prompt(index, prompt, vocab_size) for index, prompt in enumerate(rows)]
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     seeds = iter(torch.randint(0, 2**62, (sum(p.seed is None for p in params),), generator=generator).tolist())
-    default_eos = generation_config.eos_token_id if generation_config is not None else None
-    requests = []
-    for index, (tokens, p) in enumerate(zip(prompts, params)):
-        eos = p.eos_token_id if p.eos_token_id is not None else default_eos
-        eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        requests.append(Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids))
-    return requests
+    return [Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids[id(p)])
+            for index, (tokens, p) in enumerate(zip(prompts, params))]
+
+
+def _check_masks(index: int, params: SamplingParams, eos_ids: frozenset[int], vocab_size: int) -> None:
+    """ValueError for suppress_tokens outside the vocabulary, or that leave no token to choose: alone, or with the
+    EOS and stop ids that min_new_tokens masks at the first positions (a sampler would return a masked token)."""
+    outside = [t for t in params.suppress_tokens if t >= vocab_size]
+    if outside:
+        raise ValueError(f"request {index}: suppress_tokens {outside} are not ids in [0, {vocab_size})")
+    banned = set(params.suppress_tokens)
+    what = "suppress_tokens"
+    if params.min_new_tokens and len(banned) < vocab_size:
+        banned |= {t for t in eos_ids | set(params.stop_token_ids) if 0 <= t < vocab_size}
+        what = f"suppress_tokens, with the EOS and stop ids min_new_tokens={params.min_new_tokens} masks,"
+    if len(banned) >= vocab_size:
+        raise ValueError(f"request {index}: {what} cover all {vocab_size} token ids: no token is left to choose")
 
 
 def prompt_rows(prompts) -> list[Sequence]:
