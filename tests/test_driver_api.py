@@ -27,6 +27,23 @@ def model():
     return make_model("qwen3")
 
 
+def test_seed_is_the_third_argument_and_the_progress_bar_a_keyword_checked():
+    """As the README gives it: generate(prompts, params=None, seed=None); progress_bar comes by keyword only."""
+    model = make_model("qwen3")
+    driver = SyncCBDriver(model, observer=StepLog())
+    prompts, params = random_prompts([4, 6]), SamplingParams(max_new_tokens=6, do_sample=True, temperature=2.0)
+    by_keyword = [r.token_ids for r in driver.generate(prompts, params, seed=42)]
+    assert [r.token_ids for r in driver.generate(prompts, params, 42)] == by_keyword
+    assert [r.token_ids for r in driver.generate(prompts, params, 43)] != by_keyword
+    with pytest.raises(TypeError):
+        driver.generate(prompts, params, 42, True)
+    steps = StepLog()
+    for bad in (42, "yes", 1):
+        with pytest.raises(ValueError, match=f"progress_bar must be True, False or None, got {bad!r}"):
+            SyncCBDriver(model, observer=steps).generate(prompts, params, progress_bar=bad)
+    assert steps == []
+
+
 def test_empty_call_returns_empty(model):
     assert SyncCBDriver(model).generate([]) == []
 

@@ -123,8 +123,8 @@ class SyncCBDriver:
             self._bind()
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress_bar: bool | None = None, *, seed: int | None = None) -> list[GenerationResult]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, seed: int | None = None, *,
+                 progress_bar: bool | None = None) -> list[GenerationResult]:
         """Generate a continuation for every prompt; results come back in input order. Bad input raises ValueError
         before any work, and before any warning.
 
@@ -132,9 +132,9 @@ class SyncCBDriver:
             prompts: lists of token ids (ints, numpy or torch integers), unpadded, or a 2-D tensor or array (a
                 UserWarning where its rows start or end with the model's pad token).
             params: one SamplingParams for all prompts, or one per prompt (None: `SamplingParams()`).
-            progress_bar: show a progress bar of the tokens generated (None: `CBConfig.progress_bar`).
             seed: each request without a seed of its own derives a distinct one from it: the call is reproducible
                 and the G copies of a GRPO prompt differ. None draws them from torch's global RNG.
+            progress_bar: show a progress bar of the tokens generated (None: `CBConfig.progress_bar`).
 
         Returns:
             One GenerationResult per prompt, in input order.
@@ -144,6 +144,8 @@ class SyncCBDriver:
                 positions or the cache, a weight of the model that holds no values.
             RuntimeError: a driver call is running on this thread already.
         """
+        if progress_bar is not None and not isinstance(progress_bar, bool):
+            raise ValueError(f"progress_bar must be True, False or None, got {progress_bar!r}")
         base = base_model(self.model)
         with one_call_at_a_time("generate()"):
             check_materialized(self.model)
