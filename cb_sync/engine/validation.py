@@ -1,10 +1,10 @@
-"""generate()'s input checks: a model whose weights are all there, Requests from prompts and params, lengths against
-the model and the cache; the warnings a call may give, once nothing in it is refused."""
+"""generate()'s input checks: a model whose weights are all there, Requests from prompt rows and params, lengths
+against the model and the cache; the warning a call may give, once nothing in it is refused."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
@@ -29,11 +29,11 @@ def check_materialized(model: torch.nn.Module) -> None:
                                  f"{type(tensor).__name__}): load or materialise its weights before generating")
 
 
-def build_requests(prompts, params, seed: int | None, vocab_size: int, generation_config) -> list[Request]:
-    """One Request per prompt (a 2-D tensor or array gives its rows); a request without a seed of its own draws one
-    from `seed` (None: torch's global RNG, drawn from only once every check has passed). Errors are ValueErrors
-    naming the request and the bad value."""
-    rows = prompt_rows(prompts)
+def build_requests(rows: list[Sequence], params, seed: int | None, vocab_size: int,
+                   generation_config) -> list[Request]:
+    """One Request per prompt row (`prompts.prompt_rows`); a request without a seed of its own draws one from `seed`
+    (None: torch's global RNG, drawn from only once every check has passed). Errors are ValueErrors naming the
+    request and the bad value."""
     params = SamplingParams() if params is None else params
     if isinstance(params, SamplingParams):
         params = [params] * len(rows)
@@ -77,23 +77,6 @@ def _check_masks(index: int, params: SamplingParams, eos_ids: frozenset[int], vo
         raise ValueError(f"request {index}: {what} cover all {vocab_size} token ids: no token is left to choose")
 
 
-def prompt_rows(prompts) -> list[Sequence]:
-    """The prompts as a list of token sequences (a tensor or array gives its rows as lists); ValueError for prompts
-    that are not a list of sequences, naming the request."""
-    if isinstance(prompts, Mapping) and "input_ids" in prompts:
-        raise ValueError(f"prompts must be a list of token-id lists, got a {type(prompts).__name__}: pass "
-                         'encoding["input_ids"], from the tokenizer called on a list of texts without padding (pad '
-                         "tokens would be generated from as prompt tokens)")
-    rows = prompts.tolist() if hasattr(prompts, "tolist") else prompts
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    tokens = [row.tolist() if hasattr(row, "tolist") else row for row in rows]
-    for index, (row, prompt) in enumerate(zip(tokens, rows)):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
-    return tokens
-
-
 def _check_prompt(index: int, tokens: Sequence, vocab_size: int) -> list[int]:
     if len(tokens) == 0:
         raise ValueError(f"request {index}: empty prompt")
@@ -126,33 +109,15 @@ def check_fits(requests: list[Request], text_config, block_size: int, capacity: 
                              f"holds at most {capacity} ({limit})")
 
 
-def warn_of_doubtful_input(requests: list[Request], prompts, text_config, pad_token_id: int | None) -> None:
-    """Warnings, once a call, for input that runs but may not be what the caller meant: positions past a rotary
-    model's max_position_embeddings (as HF generate warns), and a 2-D prompt (tensor or array) with rows that start
-    or end with the pad token, which would be generated from as prompt tokens. Given after every check has passed:
-    a call that raises gives no warning first."""
+def warn_of_doubtful_input(requests: list[Request], text_config) -> None:
+    """A warning, once a call, for positions past a rotary model's max_position_embeddings (as HF generate warns):
+    input that runs but may not be what the caller meant. Given after every check has passed: a call that raises
+    gives no warning first."""
     if learned_position_limit(text_config) is None:
         rotary = getattr(text_config, "max_position_embeddings", None)
         if rotary is not None and max(request.max_positions for request in requests) > rotary:
             warnings.warn(f"generating past the model's max_position_embeddings ({rotary}): positions beyond it were "
                           "not trained, the output may degrade", stacklevel=3)
-    if pad_token_id is None or getattr(prompts, "ndim", None) != 2:
-        return
-    padded = [r.index for r in requests if pad_token_id in (r.prompt[0], r.prompt[-1])]
-    if padded:
-        warnings.warn(f"{len(padded)} of the {len(requests)} rows of the 2-D prompt start or end with the model's "
-                      f"pad_token_id {pad_token_id} (rows {padded[:8]}{', ...' if len(padded) > 8 else ''}): pad "
-                      "tokens are generated from as prompt tokens; pass the prompts unpadded, as lists of token ids",
-                      UserWarning, stacklevel=3)
-
-
-def pad_token_id(model: torch.nn.Module) -> int | None:
-    """The model's pad token id: its generation config's, else its config's (None where neither names one)."""
-    for config in (model.generation_config, model.config, model.config.get_text_config()):
-        value = as_int(getattr(config, "pad_token_id", None))
-        if value is not None:
-            return value
-    return None
 
 
 def learned_position_limit(text_config) -> int | None:
