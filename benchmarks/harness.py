@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import hashlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).parent.parent       # the project tree: cb_sync/ and benchmarks/
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {  # Qwen3Config fields of each model shape; "tiny" is the CPU plumbing model
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
@@ -257,15 +259,24 @@ def gpu_state() -> dict:
         return {"gpu": name}
 
 
-def commit() -> str | None:
-    """The checkout's commit, "+changes" where tracked files differ from it (the code measured is not that commit's)."""
+def commit(root: Path = ROOT) -> str:
+    """What was run, from the project tree at `root`: the commit of its checkout, "+changes" where tracked files
+    differ from it (the code measured is not that commit's); "files:<sha256 prefix>" of its package and benchmark
+    sources where `root` is not the top of a git checkout that tracks them (a copy inside another repository, whose
+    commit would name other code, or no repository at all)."""
     def git(*args):
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent)
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=root)
     try:
+        top = git("rev-parse", "--show-toplevel").stdout.strip()
         head = git("rev-parse", "--short", "HEAD").stdout.strip()
-        return head and head + ("+changes" if git("status", "--porcelain", "--untracked-files=no").stdout else "")
+        if head and Path(top).resolve() == root.resolve() and git("ls-files", "cb_sync", "benchmarks").stdout:
+            return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no").stdout else "")
     except (OSError, subprocess.SubprocessError):
-        return None
+        pass
+    digest = hashlib.sha256()
+    for path in sorted(p for folder in ("cb_sync", "benchmarks") for p in (root / folder).rglob("*.py")):
+        digest.update(f"{path.relative_to(root).as_posix()}\n".encode() + path.read_bytes())
+    return f"files:{digest.hexdigest()[:12]}"
 
 
 def environment() -> dict:

@@ -110,7 +110,7 @@ class SamplingParams:
             loses frequency_penalty times its count there, and presence_penalty if it is there at all; 0 is off.
         min_new_tokens [0]: the EOS and stop tokens cannot be chosen before this many tokens were generated, as
             vLLM's min_tokens (HF's min_new_tokens masks EOS only); 0 is off.
-        suppress_tokens [[]]: token ids never chosen.
+        suppress_tokens [[]]: token ids never chosen (generate() refuses masks that leave no token).
 
     temperature, top_k, top_p and min_p apply when do_sample. The logits are processed in HF generate's order:
     repetition penalty, then frequency and presence penalties (where vLLM applies them: before temperature), the masks

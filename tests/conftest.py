@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models of real architectures (fp32, CPU) and the `gpu` marker."""
+"""Shared fixtures: tiny random models of real architectures (fp32, CPU), a word-level tokenizer over their
+vocabulary and the `gpu` marker."""
 
 from __future__ import annotations
 
@@ -71,6 +72,16 @@ class StepLog(list):
 
     def __call__(self, output) -> None:
         self.append(output)
+
+
+def make_tokenizer(padding_side: str = "right"):
+    """A word-level tokenizer over make_model's vocabulary, built offline: "<pad>" is id 0 (make_model's pad token),
+    "t<i>" id i."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", padding_side=padding_side)
 
 
 def random_prompts(lengths, seed: int = 1) -> list[list[int]]:

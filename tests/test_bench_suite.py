@@ -4,11 +4,16 @@ engines in processes of their own."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from benchmarks import __main__ as dispatcher
-from benchmarks import throughput
+from benchmarks import harness, throughput
+
+ROOT = Path(__file__).parent.parent
 
 
 def test_dispatch(capsys):
@@ -18,6 +23,49 @@ def test_dispatch(capsys):
     with pytest.raises(SystemExit) as info:
         dispatcher.main(["grpo", "--help"])
     assert info.value.code == 0 and "--synthetic-rollouts" in capsys.readouterr().out
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def copy_of_the_project(dest: Path) -> Path:
+    for name in ("cb_sync/__init__.py", "cb_sync/config.py", "benchmarks/harness.py"):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, dest / name)
+    return dest
+
+
+def repository(path: Path) -> Path:
+    path.mkdir(exist_ok=True)
+    git(path, "init", "-q")
+    (path / "README").write_text("another project\n")
+    git(path, "add", ".")
+    git(path, "commit", "-qm", "another project")
+    return path
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_recorded_is_this_projects_else_a_hash_of_the_files_run(tmp_path):
+    other = repository(tmp_path / "other")
+    copy = copy_of_the_project(other / "vendored")
+    recorded = harness.commit(copy)
+    assert recorded.startswith("files:") and git(other, "rev-parse", "--short", "HEAD") not in recorded
+    git(other, "add", ".")
+    git(other, "commit", "-qm", "vendored")          # tracked by the other repository: still not its commit
+    assert harness.commit(copy) == recorded
+    assert harness.commit(copy_of_the_project(repository(tmp_path / "top"))) == recorded     # at its top, untracked
+    assert harness.commit(copy_of_the_project(tmp_path / "bare")) == recorded                 # in no repository
+    (copy / "cb_sync" / "config.py").write_text("# changed\n")
+    assert harness.commit(copy).startswith("files:") and harness.commit(copy) != recorded
+    own = copy_of_the_project(tmp_path / "own")      # a checkout of its own: its commit, marked where it differs
+    git(own, "init", "-q")
+    git(own, "add", ".")
+    git(own, "commit", "-qm", "own")
+    assert harness.commit(own) == git(own, "rev-parse", "--short", "HEAD")
+    (own / "benchmarks" / "harness.py").write_text("# changed\n")
+    assert harness.commit(own) == git(own, "rev-parse", "--short", "HEAD") + "+changes"
 
 
 def test_a_failing_part_is_reported_and_the_others_run(tmp_path, monkeypatch):

@@ -79,9 +79,9 @@ def worker(out: Path) -> None:
 
     generate = SyncCBDriver.generate
 
-    def recording_generate(driver, prompts, params=None, progress_bar=None, **kwargs):
+    def recording_generate(driver, prompts, params=None, seed=None, **kwargs):
         flags = [m.training for m in driver.model.modules()]
-        results = generate(driver, prompts, params, progress_bar, **kwargs)
+        results = generate(driver, prompts, params, seed, **kwargs)
         record["seeds"] += [r.seed for r in results]
         record["driver_calls"].append({
             "prompts": [list(p) for p in prompts], "completions": [r.token_ids for r in results],

@@ -27,6 +27,23 @@ def model():
     return make_model("qwen3")
 
 
+def test_seed_is_the_third_argument_and_the_progress_bar_a_keyword_checked():
+    """As the README gives it: generate(prompts, params=None, seed=None); progress_bar comes by keyword only."""
+    model = make_model("qwen3")
+    driver = SyncCBDriver(model, observer=StepLog())
+    prompts, params = random_prompts([4, 6]), SamplingParams(max_new_tokens=6, do_sample=True, temperature=2.0)
+    by_keyword = [r.token_ids for r in driver.generate(prompts, params, seed=42)]
+    assert [r.token_ids for r in driver.generate(prompts, params, 42)] == by_keyword
+    assert [r.token_ids for r in driver.generate(prompts, params, 43)] != by_keyword
+    with pytest.raises(TypeError):
+        driver.generate(prompts, params, 42, True)
+    steps = StepLog()
+    for bad in (42, "yes", 1):
+        with pytest.raises(ValueError, match=f"progress_bar must be True, False or None, got {bad!r}"):
+            SyncCBDriver(model, observer=steps).generate(prompts, params, progress_bar=bad)
+    assert steps == []
+
+
 def test_empty_call_returns_empty(model):
     assert SyncCBDriver(model).generate([]) == []
 
@@ -361,6 +378,48 @@ def test_models_without_attention_interface_are_refused():
     with pytest.raises(ValueError, match="XGLMForCausalLM does not route attention through"):
         SyncCBDriver(model)
     assert model.config._attn_implementation != "cb_sync_paged"
+
+
+def falcon():
+    from transformers import AutoModelForCausalLM, FalconConfig
+    return AutoModelForCausalLM.from_config(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=4))
+
+
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=2,
+                                               d_kv=16))
+
+
+def mamba():
+    from transformers import AutoModelForCausalLM, MambaConfig
+    return AutoModelForCausalLM.from_config(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1))
+
+
+def hybrid():
+    """Qwen3's layers, one marked as a state-keeping kind (as Qwen3-Next's linear attention)."""
+    model = make_model("qwen3")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    return model
+
+
+@pytest.mark.parametrize("build,match", [
+    (falcon, "FalconForCausalLM's forward does not pass cb_sync's batch metadata (cb_meta) on to its attention "
+             "layers"),
+    (t5, "T5ForConditionalGeneration is an encoder-decoder model: cb_sync generates from decoder-only causal LMs"),
+    (mamba, "MambaForCausalLM has no attention layers cb_sync can page: its config names no num_attention_heads"),
+    (hybrid, "Qwen3ForCausalLM has layers of type ['linear_attention'], whose state cb_sync's paged KV cache does "
+             "not hold"),
+    (lambda: torch.nn.Linear(4, 4), "the model must be a transformers PreTrainedModel (or a PEFT model of one), got "
+                                    "Linear")], ids=["falcon", "t5", "mamba", "hybrid", "linear"])
+def test_models_cb_sync_cannot_drive_are_refused_at_construction(build, match):
+    model = build().train()
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        SyncCBDriver(model)
+    assert all(m.training for m in model.modules())
+    assert getattr(getattr(model, "config", None), "_attn_implementation", None) == attention
 
 
 def test_attention_sinks_are_refused():

@@ -248,6 +248,28 @@ def test_kwargs(model):
     assert model.generate_batch([], generation_config=greedy_config(3)) == {}
 
 
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_a_padded_encoding_gives_each_row_its_unmasked_tokens(model, padding_side):
+    """tiny_model's pad token is 0: the tokenizer's padded batch, whole or as ids and mask, generates as the unpadded
+    prompts do (max_length counts the unpadded tokens); the ids alone are refused."""
+    from transformers import BatchEncoding
+    enable(model)
+    ids = torch.zeros(len(PROMPTS), max(map(len, PROMPTS)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(PROMPTS):
+        columns = slice(ids.shape[1] - len(prompt), None) if padding_side == "left" else slice(0, len(prompt))
+        ids[row, columns], mask[row, columns] = torch.tensor(prompt), 1
+    config = GenerationConfig(max_length=12, do_sample=False)
+    expected = {k: (o.prompt_ids, o.generated_tokens) for k, o in model.generate_batch(PROMPTS, config).items()}
+    for given, extra in [(BatchEncoding({"input_ids": ids, "attention_mask": mask}), {}),
+                         ({"input_ids": ids.tolist(), "attention_mask": mask.tolist()}, {}),
+                         (ids, {"attention_mask": mask})]:
+        out = model.generate_batch(given, config, **extra)
+        assert {k: (o.prompt_ids, o.generated_tokens) for k, o in out.items()} == expected
+    with pytest.raises(ValueError, match=r"rows \[[0-9, ]+\] of the 2-D prompt start or end with the pad token id 0"):
+        model.generate_batch(ids, config)
+
+
 def test_one_driver_kept_and_released_unless_persistent(model):
     enable(model, CBConfig(block_size=4, max_batch_tokens=16))
     driver = get_driver(model)

@@ -66,9 +66,9 @@ class Spy:
         self.calls, self.releases, self.release_kwargs = [], 0, []
         generate, release = SyncCBDriver.generate, SyncCBDriver.release
 
-        def spy_generate(drv, prompts, params=None, progress_bar=None, seed=None):
+        def spy_generate(drv, prompts, params=None, seed=None, **kwargs):
             before, checkpointing = drv.model.training, drv.model.is_gradient_checkpointing
-            results = generate(drv, prompts, params, progress_bar, seed=seed)
+            results = generate(drv, prompts, params, seed, **kwargs)
             self.calls.append(dict(driver=drv, prompts=[list(p) for p in prompts], params=params, before=before,
                                    after=drv.model.training, results=results,
                                    checkpointing=(checkpointing, drv.model.is_gradient_checkpointing)))

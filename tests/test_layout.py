@@ -19,7 +19,7 @@ LAYERS = [
     ("cb_sync.attention", "cb_sync.sampling", "cb_sync.lora", "cb_sync.model_patching"),
     ("cb_sync.batch_invariant",),
     ("cb_sync.engine", "cb_sync.engine.request", "cb_sync.engine.kv_cache", "cb_sync.engine.block_allocator",
-     "cb_sync.engine.scheduler", "cb_sync.engine.validation", "cb_sync.engine.call_lock"),
+     "cb_sync.engine.scheduler", "cb_sync.engine.prompts", "cb_sync.engine.validation", "cb_sync.engine.call_lock"),
     ("cb_sync.runner",),
     ("cb_sync.engine.driver",),
     ("cb_sync", "cb_sync.__main__", "cb_sync.integrations", "cb_sync.cli"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 
-from conftest import VOCAB, hf_greedy, make_model, random_prompts
+from conftest import VOCAB, hf_greedy, make_model, make_tokenizer, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -189,36 +190,81 @@ def test_a_call_that_fails_its_checks_gives_no_warning_first(fails):
     assert [str(w.message) for w in caught] == []
 
 
-@pytest.mark.parametrize("encoding", ["batch_encoding", "dict"])
-def test_a_tokenizers_encoding_is_refused_with_what_to_pass(model, encoding):
+TEXTS = ["t5 t17 t33 t9", "t100", "t64 t3 t77 t2 t90 t41", "t7 t7"]
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_a_padded_batch_generates_from_each_rows_unmasked_tokens(model, padding_side):
+    """What the tokenizer gives for a padded batch, in every form it comes: each row is cut to its unmasked tokens,
+    as if the prompts had come unpadded."""
     from transformers import BatchEncoding
-    given = {"input_ids": [[1, 2, 3], [4, 5]], "attention_mask": [[1, 1, 1], [1, 1]]}
-    given = BatchEncoding(given) if encoding == "batch_encoding" else given
-    with pytest.raises(ValueError, match=r'got a (BatchEncoding|dict): pass encoding\["input_ids"\], from the '
-                                         r"tokenizer called on a list of texts without padding"):
-        no_work_driver(model).generate(given, SamplingParams(max_new_tokens=2))
+    tokenizer = make_tokenizer(padding_side)
+    unpadded = [tokenizer(text)["input_ids"] for text in TEXTS]
+    driver = SyncCBDriver(model)
+    params = SamplingParams(max_new_tokens=5)
+    expected = [r.token_ids for r in driver.generate(unpadded, params)]
+    encoding = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    ids, mask = encoding["input_ids"], encoding["attention_mask"]
+    assert isinstance(encoding, BatchEncoding) and (mask == 0).any()
+    for given, extra in [(encoding, {}), (dict(encoding), {}), (tokenizer(TEXTS, padding=True), {}),
+                         (tokenizer(TEXTS, padding=True, return_tensors="np"), {}), (ids, {"attention_mask": mask}),
+                         (ids.numpy(), {"attention_mask": mask.numpy().astype(bool)}),
+                         (ids.tolist(), {"attention_mask": mask.tolist()})]:
+        results = driver.generate(given, params, **extra)
+        assert [r.prompt_ids for r in results] == unpadded
+        assert [r.token_ids for r in results] == expected
 
 
-def pad_warnings(model, prompts) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        SyncCBDriver(model).generate(prompts, SamplingParams(max_new_tokens=2))
-    return [str(w.message) for w in caught if w.category is UserWarning and "pad_token_id" in str(w.message)]
+@pytest.mark.parametrize("given,mask,match", [
+    ({"input_ids": [[1, 2]], "attention_mask": [[1, 1]]}, [[1, 1]],
+     "attention_mask given twice: in the prompts' encoding and as an argument"),
+    (torch.tensor([[1, 2], [3, 4]]), torch.ones(3, 2, dtype=torch.long), "attention_mask has 3 rows for 2 prompts"),
+    ([[1, 2], [3, 4, 5]], [[1, 1], [1, 1]], "request 1: attention_mask row of 2 values for a prompt of 3 tokens"),
+    (torch.tensor([[1, 2]]), torch.tensor([[1, 2]]), "request 0: attention_mask values must be 0 or 1, got 2"),
+    (torch.tensor([[1, 2]]), torch.tensor([[0.5, 1.0]]), "request 0: attention_mask values must be 0 or 1, got 0.5"),
+    (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 0, 1]]),
+     r"request 0: attention_mask \[1, 0, 1\] is not one run of 1s \(left or right padding\)"),
+    (torch.tensor([[1, 2], [3, 4]]), torch.tensor([[1, 1], [0, 0]]), "request 1: empty prompt"),
+    ([[1, 2]], 5, "attention_mask must be a list of 0/1 rows, got int"),
+    ({"attention_mask": [[1, 1]]}, None, "prompts must be a list of token-id lists, got dict")])
+def test_bad_attention_masks_are_named_before_any_work(model, given, mask, match):
+    with pytest.raises(ValueError, match=match):
+        no_work_driver(model).generate(given, SamplingParams(max_new_tokens=2), attention_mask=mask)
 
 
-def test_padded_rows_of_a_2d_prompt_warn_once_a_call():
-    """make_model's pad token is 0: rows that start or end with it are padded; lists, unpadded rows, or a model
-    without a pad token give no warning."""
+def test_a_padded_2d_prompt_without_a_mask_is_refused():
+    """make_model's pad token is 0: a 2-D prompt whose rows start or end with it is padded, and without its
+    attention_mask refused; lists, unpadded rows, or a model with neither a pad token nor an EOS run."""
     model = make_model("qwen3")
     padded = [[0, 0, 5, 6], [7, 8, 9, 0], [3, 4, 5, 6], [0, 1, 2, 3]]
-    for given in (torch.tensor(padded), np.array(padded)):
-        assert pad_warnings(model, given) == [
-            "3 of the 4 rows of the 2-D prompt start or end with the model's pad_token_id 0 (rows [0, 1, 3]): pad "
-            "tokens are generated from as prompt tokens; pass the prompts unpadded, as lists of token ids"]
-    assert pad_warnings(model, torch.tensor([[3, 4, 0, 6], [1, 2, 3, 4]])) == []
-    assert pad_warnings(model, padded) == []
+    for given in (torch.tensor(padded), np.array(padded), {"input_ids": torch.tensor(padded)}):
+        with pytest.raises(ValueError, match=re.escape(
+                "rows [0, 1, 3] of the 2-D prompt start or end with the pad token id 0 and come without an "
+                "attention_mask: pass the tokenizer's encoding whole (input_ids and attention_mask), attention_mask=, "
+                "or the prompts unpadded as lists of token ids")):
+            no_work_driver(model).generate(given, SamplingParams(max_new_tokens=2))
+    params = SamplingParams(max_new_tokens=2)
+    SyncCBDriver(model).generate(torch.tensor([[3, 4, 0, 6], [1, 2, 3, 4]]), params)
+    SyncCBDriver(model).generate(padded, params)
     model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = 6            # no pad token: HF generate pads with the EOS
+    with pytest.raises(ValueError, match=r"rows \[0, 2\] of the 2-D prompt start or end with the pad token id 6"):
+        no_work_driver(model).generate(torch.tensor(padded), params)
+    model.generation_config.eos_token_id = None
     assert model.config.pad_token_id is None
-    assert pad_warnings(model, torch.tensor(padded)) == []
-    model.config.pad_token_id = 3
-    assert len(pad_warnings(model, torch.tensor(padded))) == 1
+    SyncCBDriver(model).generate(torch.tensor(padded), params)
+
+
+def test_suppress_tokens_that_leave_no_token_to_choose_are_refused(model):
+    everything = SamplingParams(max_new_tokens=2, suppress_tokens=list(range(VOCAB)))
+    with pytest.raises(ValueError, match=f"request 1: suppress_tokens cover all {VOCAB} token ids: no token is "
+                                         "left to choose"):
+        no_work_driver(model).generate(random_prompts([3, 4]), [SamplingParams(max_new_tokens=2), everything])
+    but_eos = SamplingParams(max_new_tokens=4, suppress_tokens=list(range(1, VOCAB)), eos_token_id=0,
+                             min_new_tokens=1, do_sample=True)
+    with pytest.raises(ValueError, match=f"request 0: suppress_tokens, with the EOS and stop ids min_new_tokens=1 "
+                                         f"masks, cover all {VOCAB} token ids: no token is left to choose"):
+        no_work_driver(model).generate(random_prompts([3]), but_eos)
+    for sample in (False, True):
+        one_left = SamplingParams(max_new_tokens=3, suppress_tokens=list(range(1, VOCAB)), do_sample=sample)
+        assert SyncCBDriver(model).generate(random_prompts([3]), one_left, seed=0)[0].token_ids == [0, 0, 0]

@@ -47,6 +47,11 @@ class Backend(Protocol):
         """
 
 
+class MissingBatchMetadata(RuntimeError):
+    """Paged attention called without the step's batch metadata (`cb_meta`): outside SyncCBDriver.generate(), or
+    inside a model whose layers do not pass their keyword arguments on to attention."""
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None,
@@ -54,7 +59,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """Store this step's K/V in the layer's paged cache, then attend over each request's cached context. query/key/value
     arrive as [1, heads, T, head_dim]; returns [1, T, heads, head_dim] as transformers expects."""
     if cb_meta is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the cb_meta batch metadata; "
+        raise MissingBatchMetadata(f"{ATTN_IMPLEMENTATION} attention needs the cb_meta batch metadata; "
                            "it runs only inside SyncCBDriver.generate()")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{type(module).__name__} uses attention sinks (s_aux), which cb_sync's paged "

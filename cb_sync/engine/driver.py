@@ -19,7 +19,8 @@ from ..batch_invariant.fused_forwards import fused_forwards
 from ..batch_invariant.lora import invariant_tuning
 from ..config import CBConfig, SamplingParams
 from ..lora import kernel_row_limit, lora_kernels
-from ..model_patching.generation_mode import check_supported, generation_mode
+from ..model_patching.generation_mode import generation_mode
+from ..model_patching.support import check_supported
 from ..model_patching.swaps import base_model
 from ..runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
 from ..runner.compiled import eager_forward
@@ -31,7 +32,8 @@ from .kv_cache import (PagedKVCache, attention_heads, blocks_at_once, blocks_for
                        step_headroom)
 from .request import GenerationResult, Request, Status
 from .scheduler import Scheduler
-from .validation import build_requests, check_fits, check_materialized, pad_token_id, warn_of_doubtful_input
+from .prompts import pad_ids, prompt_rows
+from .validation import build_requests, check_fits, check_materialized, warn_of_doubtful_input
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,10 @@ class SyncCBDriver:
                 do).
 
         Raises:
-            ValueError: a parameter or buffer holds no values (the meta device), the model's attention cannot be
-                replaced, or (with `batch_invariant`) the model has layers the exact mode does not cover.
+            ValueError: a parameter or buffer holds no values (the meta device), a model cb_sync cannot drive
+                (`model_patching.support.check_supported`: not a transformers model, an encoder-decoder, layers
+                that are not attention, attention it cannot replace or reach), or (with `batch_invariant`) layers
+                the exact mode does not cover.
         """
         self.model = model
         self.config = config or CBConfig()
@@ -119,40 +123,47 @@ class SyncCBDriver:
             self._release(keep_graphs=False)
             self._bind()
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress_bar: bool | None = None, *, seed: int | None = None) -> list[GenerationResult]:
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 seed: int | None = None, *, attention_mask=None,
+                 progress_bar: bool | None = None) -> list[GenerationResult]:
         """Generate a continuation for every prompt; results come back in input order. Bad input raises ValueError
         before any work, and before any warning.
 
         Args:
-            prompts: lists of token ids (ints, numpy or torch integers), unpadded, or a 2-D tensor or array (a
-                UserWarning where its rows start or end with the model's pad token).
+            prompts: lists of token ids (ints, numpy or torch integers), unpadded; a 2-D tensor or array (refused
+                where its rows start or end with the model's pad token, or EOS where it names no pad token, unless
+                attention_mask comes with it); or a tokenizer's encoding (a BatchEncoding or dict with `input_ids`
+                and, where padded, `attention_mask`).
             params: one SamplingParams for all prompts, or one per prompt (None: `SamplingParams()`).
-            progress_bar: show a progress bar of the tokens generated (None: `CBConfig.progress_bar`).
             seed: each request without a seed of its own derives a distinct one from it: the call is reproducible
                 and the G copies of a GRPO prompt differ. None draws them from torch's global RNG.
+            attention_mask: 0/1 rows beside padded prompts (left or right padding): each prompt is cut to the
+                tokens its row keeps.
+            progress_bar: show a progress bar of the tokens generated (None: `CBConfig.progress_bar`).
 
         Returns:
-            One GenerationResult per prompt, in input order.
+            One GenerationResult per prompt, in input order; its `prompt_ids` are the unpadded prompt.
 
         Raises:
-            ValueError: a bad prompt or parameter (naming the request), a request that cannot fit the model's
+            ValueError: a bad prompt, mask or parameter (naming the request), a request that cannot fit the model's
                 positions or the cache, a weight of the model that holds no values.
             RuntimeError: a driver call is running on this thread already.
         """
+        if progress_bar is not None and not isinstance(progress_bar, bool):
+            raise ValueError(f"progress_bar must be True, False or None, got {progress_bar!r}")
         base = base_model(self.model)
         with one_call_at_a_time("generate()"):
             check_materialized(self.model)
             vocab_size = base.get_output_embeddings().weight.shape[0]       # read at every call: embeddings resize
-            requests = build_requests(prompts, params, seed, vocab_size, base.generation_config)
+            rows = prompt_rows(prompts, attention_mask, pad_ids(base))
+            requests = build_requests(rows, params, seed, vocab_size, base.generation_config)
             if not requests:
                 return []
             self._follow_model()
             text_config = base.config.get_text_config()
             capacity, limit = self._capacity_blocks(text_config)
             check_fits(requests, text_config, self.config.block_size, capacity, limit)
-            warn_of_doubtful_input(requests, prompts, text_config, pad_token_id(base))
+            warn_of_doubtful_input(requests, text_config)
             self._generate(requests, capacity, progress_bar)
             self._note_preemptions(requests, limit)
             return [GenerationResult.of(r) for r in requests]

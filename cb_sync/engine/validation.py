@@ -1,10 +1,10 @@
-"""generate()'s input checks: a model whose weights are all there, Requests from prompts and params, lengths against
-the model and the cache; the warnings a call may give, once nothing in it is refused."""
+"""generate()'s input checks: a model whose weights are all there, Requests from prompt rows and params, lengths
+against the model and the cache; the warning a call may give, once nothing in it is refused."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
@@ -29,10 +29,11 @@ def check_materialized(model: torch.nn.Module) -> None:
                                  f"{type(tensor).__name__}): load or materialise its weights before generating")
 
 
-def build_requests(prompts, params, seed: int | None, vocab_size: int, generation_config) -> list[Request]:
-    """One Request per prompt (a 2-D tensor or array gives its rows); a request without a seed of its own draws one
-    from `seed` (None: torch's global RNG). Errors are ValueErrors naming the request and the bad value."""
-    rows = prompt_rows(prompts)
+def build_requests(rows: list[Sequence], params, seed: int | None, vocab_size: int,
+                   generation_config) -> list[Request]:
+    """One Request per prompt row (`prompts.prompt_rows`); a request without a seed of its own draws one from `seed`
+    (None: torch's global RNG, drawn from only once every check has passed). Errors are ValueErrors naming the
+    request and the bad value."""
     params = SamplingParams() if params is None else params
     if isinstance(params, SamplingParams):
         params = [params] * len(rows)
@@ -41,46 +42,39 @@ def build_requests(prompts, params, seed: int | None, vocab_size: int, generatio
     elif len(params) != len(rows):
         raise ValueError(f"got {len(params)} SamplingParams for {len(rows)} prompts")
     seed = seed_int(seed)
-    checked = set()
+    default_eos = generation_config.eos_token_id if generation_config is not None else None
+    eos_ids = {}                                      # id(params) -> its EOS ids, once it has been checked
     for index, p in enumerate(params):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"request {index}: params must be SamplingParams, got {type(p).__name__}")
-        if id(p) not in checked:                      # again: a dataclass may have been changed since it was built
-            checked.add(id(p))
+        if id(p) not in eos_ids:                      # again: a dataclass may have been changed since it was built
             try:
                 p.__post_init__()
             except ValueError as error:
                 raise ValueError(f"request {index}: {error}") from None
-            outside = [t for t in p.suppress_tokens if t >= vocab_size]
-            if outside:
-                raise ValueError(f"request {index}: suppress_tokens {outside} are not ids in [0, {vocab_size})")
+            eos = p.eos_token_id if p.eos_token_id is not None else default_eos
+            eos_ids[id(p)] = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+            _check_masks(index, p, eos_ids[id(p)], vocab_size)
     prompts = [_check_prompt(index, prompt, vocab_size) for index, prompt in enumerate(rows)]
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     seeds = iter(torch.randint(0, 2**62, (sum(p.seed is None for p in params),), generator=generator).tolist())
-    default_eos = generation_config.eos_token_id if generation_config is not None else None
-    requests = []
-    for index, (tokens, p) in enumerate(zip(prompts, params)):
-        eos = p.eos_token_id if p.eos_token_id is not None else default_eos
-        eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        requests.append(Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids))
-    return requests
+    return [Request(index, tokens, p, p.seed if p.seed is not None else next(seeds), eos_ids[id(p)])
+            for index, (tokens, p) in enumerate(zip(prompts, params))]
 
 
-def prompt_rows(prompts) -> list[Sequence]:
-    """The prompts as a list of token sequences (a tensor or array gives its rows as lists); ValueError for prompts
-    that are not a list of sequences, naming the request."""
-    if isinstance(prompts, Mapping) and "input_ids" in prompts:
-        raise ValueError(f"prompts must be a list of token-id lists, got a {type(prompts).__name__}: pass "
-                         'encoding["input_ids"], from the tokenizer called on a list of texts without padding (pad '
-                         "tokens would be generated from as prompt tokens)")
-    rows = prompts.tolist() if hasattr(prompts, "tolist") else prompts
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    tokens = [row.tolist() if hasattr(row, "tolist") else row for row in rows]
-    for index, (row, prompt) in enumerate(zip(tokens, rows)):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise ValueError(f"request {index}: a prompt must be a list of token ids, got {type(prompt).__name__}")
-    return tokens
+def _check_masks(index: int, params: SamplingParams, eos_ids: frozenset[int], vocab_size: int) -> None:
+    """ValueError for suppress_tokens outside the vocabulary, or that leave no token to choose: alone, or with the
+    EOS and stop ids that min_new_tokens masks at the first positions (a sampler would return a masked token)."""
+    outside = [t for t in params.suppress_tokens if t >= vocab_size]
+    if outside:
+        raise ValueError(f"request {index}: suppress_tokens {outside} are not ids in [0, {vocab_size})")
+    banned = set(params.suppress_tokens)
+    what = "suppress_tokens"
+    if params.min_new_tokens and len(banned) < vocab_size:
+        banned |= {t for t in eos_ids | set(params.stop_token_ids) if 0 <= t < vocab_size}
+        what = f"suppress_tokens, with the EOS and stop ids min_new_tokens={params.min_new_tokens} masks,"
+    if len(banned) >= vocab_size:
+        raise ValueError(f"request {index}: {what} cover all {vocab_size} token ids: no token is left to choose")
 
 
 def _check_prompt(index: int, tokens: Sequence, vocab_size: int) -> list[int]:
@@ -115,33 +109,15 @@ def check_fits(requests: list[Request], text_config, block_size: int, capacity: 
                              f"holds at most {capacity} ({limit})")
 
 
-def warn_of_doubtful_input(requests: list[Request], prompts, text_config, pad_token_id: int | None) -> None:
-    """Warnings, once a call, for input that runs but may not be what the caller meant: positions past a rotary
-    model's max_position_embeddings (as HF generate warns), and a 2-D prompt (tensor or array) with rows that start
-    or end with the pad token, which would be generated from as prompt tokens. Given after every check has passed:
-    a call that raises gives no warning first."""
+def warn_of_doubtful_input(requests: list[Request], text_config) -> None:
+    """A warning, once a call, for positions past a rotary model's max_position_embeddings (as HF generate warns):
+    input that runs but may not be what the caller meant. Given after every check has passed: a call that raises
+    gives no warning first."""
     if learned_position_limit(text_config) is None:
         rotary = getattr(text_config, "max_position_embeddings", None)
         if rotary is not None and max(request.max_positions for request in requests) > rotary:
             warnings.warn(f"generating past the model's max_position_embeddings ({rotary}): positions beyond it were "
                           "not trained, the output may degrade", stacklevel=3)
-    if pad_token_id is None or getattr(prompts, "ndim", None) != 2:
-        return
-    padded = [r.index for r in requests if pad_token_id in (r.prompt[0], r.prompt[-1])]
-    if padded:
-        warnings.warn(f"{len(padded)} of the {len(requests)} rows of the 2-D prompt start or end with the model's "
-                      f"pad_token_id {pad_token_id} (rows {padded[:8]}{', ...' if len(padded) > 8 else ''}): pad "
-                      "tokens are generated from as prompt tokens; pass the prompts unpadded, as lists of token ids",
-                      UserWarning, stacklevel=3)
-
-
-def pad_token_id(model: torch.nn.Module) -> int | None:
-    """The model's pad token id: its generation config's, else its config's (None where neither names one)."""
-    for config in (model.generation_config, model.config, model.config.get_text_config()):
-        value = as_int(getattr(config, "pad_token_id", None))
-        if value is not None:
-            return value
-    return None
 
 
 def learned_position_limit(text_config) -> int | None:

@@ -37,7 +37,8 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ..config import CBConfig, SamplingParams, as_int
 from ..engine.driver import SyncCBDriver
-from ..engine.validation import prompt_rows
+from ..engine.prompts import pad_ids, prompt_rows
+from ..model_patching.swaps import base_model
 
 logger = logging.getLogger(__name__)
 
@@ -181,24 +182,28 @@ def get_driver(model: torch.nn.Module) -> SyncCBDriver:
 
 def _generate_batch(self, inputs: list[list[int]], generation_config=None, continuous_batching_config=None,
                     record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
-                    warmup: bool = True, **kwargs) -> dict:
+                    warmup: bool = True, *, attention_mask=None, **kwargs) -> dict:
     """Generate for a batch of prompts with cb_sync (drop-in for transformers' `generate_batch`).
 
     Args:
-        inputs: the prompts' token ids.
+        inputs: the prompts' token ids, in any form `SyncCBDriver.generate` takes: lists, a 2-D tensor or array, a
+            tokenizer's encoding (padded rows are cut to their unmasked tokens).
         generation_config: read as `model.generate()` reads it (see the module's docstring).
         continuous_batching_config: only its `return_logprobs` and `seed` are used.
         record_timestamps: must be False (cb_sync records no per-token timestamps).
         progress_bar: show the driver's progress bar.
         persistent_manager: keep the KV cache after the call (False: released, the decode graphs kept).
         warmup: accepted and ignored (graphs are captured on first use).
+        attention_mask: 0/1 rows beside padded `inputs` (left or right padding).
         **kwargs: GenerationConfig field names (override `generation_config`), `return_logprobs` (bool) and `seed`
             (int: one seed for the call, each request derives its own). Anything else raises ValueError.
 
     Returns:
         {"req_i": GenerationOutput} in input order, each with cb_sync's `finish_reason` ("eos", "length", "stop").
     """
-    prompts = prompt_rows(inputs)
+    driver = self.__dict__[_STATE].driver_for(self)     # built once, refusing a model cb_sync cannot drive
+    model = driver.model
+    prompts = prompt_rows(inputs, attention_mask, pad_ids(base_model(model)))
     if not prompts:
         return {}
     if record_timestamps:
@@ -211,11 +216,8 @@ def _generate_batch(self, inputs: list[list[int]], generation_config=None, conti
         _note_ignored_cb_fields(continuous_batching_config)
     if not isinstance(return_logprobs, bool):
         raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
-    state = self.__dict__[_STATE]
-    model = state.model if state.model is not None else self
     params = sampling_params_from_generation_config(model, generation_config, prompts, logprobs=return_logprobs,
                                                     **kwargs)
-    driver = state.driver_for(self)
     start = time.perf_counter()
     try:
         results = driver.generate(prompts, params, progress_bar=progress_bar, seed=seed)

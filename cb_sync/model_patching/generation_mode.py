@@ -15,19 +15,6 @@ from .rotary import rotary_tables_materialized
 from .swaps import base_model, module_list
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Refuse models whose attention does not go through transformers' AttentionInterface: they would run the
-    flat batch as one sequence. Leaves the model as it was."""
-    base = base_model(model)
-    previous = attention_implementations(base.config)
-    base.set_attn_implementation(ATTN_IMPLEMENTATION)
-    switched = base.config._attn_implementation == ATTN_IMPLEMENTATION
-    restore_attention(previous)
-    if not switched:
-        raise ValueError(f"{type(base).__name__} does not route attention through transformers' AttentionInterface, "
-                         "so cb_sync cannot supply paged attention to it")
-
-
 def attention_implementations(config) -> list[tuple]:
     """(config, attention implementation) of a model's config and of its sub-configs at any depth (a composite
     model's submodels run on them), parents before their sub-configs."""
