@@ -242,14 +242,16 @@ def test_grpo_with_peft_config_and_importance_sampling(tmp_path, monkeypatch):
     assert trainer.use_vllm is False  # the flag is only flipped for the duration of TRL's calls
 
 
-@pytest.mark.parametrize("batch_invariant, kernels", [(True, False), pytest.param(True, True, marks=pytest.mark.slow),
-                                                       (False, False)], ids=["invariant", "invariant_kernels", "default"])
+@pytest.mark.parametrize("batch_invariant, kernels",
+                         [(True, False), pytest.param(True, True, marks=pytest.mark.slow), (False, False)],
+                         ids=["invariant", "invariant_kernels", "default"])
 def test_batch_invariant_rollouts_are_exactly_on_policy(tmp_path, monkeypatch, batch_invariant, kernels):
     """CBConfig(batch_invariant=True): the generator's logprob of every completion token equals, bit for bit, the
-    trainer's old logps (no grad) and the loss's (with grad, through gradient checkpointing): the gap is exactly 0,
-    every importance ratio exactly 1. The default mode's (fp32) gap is small, not 0. LoRA with prompts of several
-    lengths (left padding), chunked prefill and two micro-batches; kernels: both sides through the (interpreted)
-    Triton kernels, as on CUDA (the LoRA kernel's differentiable op in the loss's forward)."""
+    loss's (with grad, through gradient checkpointing): the gap is exactly 0. With the importance-sampling correction
+    TRL's old logps are the generator's own (no forward runs for them): TRL's gap is 0 and every ratio exactly 1. The
+    default mode's (fp32) gap is small, not 0. LoRA with prompts of several lengths (left padding), chunked prefill
+    and two micro-batches; kernels: both sides through the (interpreted) Triton kernels, as on CUDA (the LoRA
+    kernel's differentiable op in the loss's forward)."""
     from peft import LoraConfig
 
     if kernels:      # the row-mean kernel (a program per row: slow when interpreted) is tested on its own
