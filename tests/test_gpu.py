@@ -338,6 +338,21 @@ def small_grpo_model():
     return build_model(lora=True, shape="qwen3-1.7b")
 
 
+def test_exact_modes_packed_gradients_on_the_gpu():
+    """The exact mode's packed training forward through its CUDA kernels (the LoRA kernel's differentiable op, the
+    row attention, the fused kernels) and its backward (SDPA's causal kernels per sequence, the chunked logprobs):
+    LoRA gradients close to HF's padded forward's, fp32."""
+    from test_batch_invariant import packed_and_plain_lora_grads
+    model = _cuda_model()
+    ids = torch.tensor(random_prompts([40, 40, 40, 40], seed=9), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :13], mask[1, 30:], mask[2, :2] = 0, 0, 0
+    packed, plain = packed_and_plain_lora_grads(model, ids, mask, 12, 0.8)
+    for got, want in zip(packed, plain):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    assert sum(g.abs().sum() for g in packed) > 0
+
+
 @pytest.mark.parametrize("batch", [4, 64])
 def test_step_time_with_and_without_a_repetition_penalty(small_grpo_model, batch):
     """The GRPO sampler's decode step (workload G's filters: temperature 0.1, top-k 5, top-p 0.97, min-p 0.5) over
