@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import StepBackends
-from ..engine.kv_cache import PagedKVCache
+from ..cache import PagedAttentionCache
+from ..graphs import CompiledForward, DecodeReplay, eager_forward, is_pure_decode
 from ..sampling.penalties import PenaltyKind, TokenHistory, penalty_kind
 from ..sampling.sampler import sample_exactly, sampler_kind
+from ..scheduler.plan import step_columns
+from ..step import EagerOutput, StepBuffers, StepOutput
 from ..tuning import AttentionTuning
-from .compiled import CompiledForward, eager_forward
-from .cuda_graphs import DecodeReplay, is_pure_decode
-from .inputs import StepBuffers, step_columns
-from .output import EagerOutput, StepOutput
 
 
 @dataclass(eq=False)
@@ -28,7 +27,7 @@ class ModelRunner:
     terms of this call's steps (`begin_call`), which read the tokens every step stores in `history`."""
 
     model: torch.nn.Module
-    cache: PagedKVCache
+    cache: PagedAttentionCache
     backends: StepBackends
     tuning: AttentionTuning
     replay: DecodeReplay | None = None
