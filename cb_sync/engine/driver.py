@@ -22,6 +22,7 @@ from ..cache.sizing import (attention_heads, blocks_at_once, blocks_for, blocks_
                             step_headroom)
 from ..config import CBConfig, SamplingParams
 from ..graphs import CompiledForward, DecodeReplay, decode_buckets, eager_forward
+from ..graphs.compiled import compiled_buckets
 from ..lora import kernel_row_limit, lora_kernels
 from ..model_patching.generation_mode import generation_mode
 from ..model_patching.support import check_supported
@@ -102,16 +103,10 @@ class SyncCBDriver:
         static = self.static_decode if self.static_decode is not None else (
             self.device.type == "cuda" and self.backends.decode is not sdpa_paged)
         if cfg.cuda_graphs and static:
-            compiled = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
-            # A compiled step specialises a count of one into a compile of its own, so one request is padded to two
-            # rows and the bucket of one is dropped, unless it is the only bucket (max_batch_size=1): then only the
-            # replayed decode step is compiled, and the other steps run eagerly.
-            buckets = [b for b in decode_buckets(cfg.max_batch_size) if not compiled or b > 1
-                       or b == cfg.max_batch_size]
-            replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backends.decode, tuning,
+            forward = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
+            buckets, compiled = compiled_buckets(forward, decode_buckets(cfg.max_batch_size))
+            replay = DecodeReplay(forward or eager_forward(self.model), self.cache, self.backends.decode, tuning,
                                   buckets)
-            if buckets[0] == 1:
-                compiled = None
         return ModelRunner(self.model, self.cache, self.backends, tuning, replay, compiled, self.observer)
 
     def _follow_model(self) -> None:

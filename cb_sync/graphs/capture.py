@@ -3,7 +3,6 @@ model (dropped whenever it changes)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -30,7 +29,6 @@ class DecodeGraphs:
         self.graphs: dict[tuple, Callable[[], None]] = {}
         self.pool = None
         self.fingerprint = None
-        self.capture_seconds = 0.0
 
     def __contains__(self, key: tuple) -> bool:
         return key in self.graphs
@@ -45,7 +43,6 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             self.graphs[key] = step
             return
-        start = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -53,7 +50,6 @@ class DecodeGraphs:
             step()
         torch.cuda.synchronize()
         self.graphs[key] = graph.replay
-        self.capture_seconds += time.perf_counter() - start
 
     def replay(self, key: tuple) -> None:
         self.graphs[key]()

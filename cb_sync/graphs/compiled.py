@@ -17,6 +17,8 @@ from ..model_patching.swaps import base_model
 # independent elementwise kernels (the q and k norms and rotary embeddings, ...) in one launch: a decode step is
 # bound by its launches
 COMPILE_OPTIONS = {"combo_kernels": True}
+MIN_COUNT = 2       # the fewest requests and rows kept of a compiled step: a count of one would be specialised into a
+                    # compile of its own
 
 
 def model_logits(model, inputs: dict, positions, meta: AttnMetadata, keep: torch.Tensor) -> torch.Tensor:
@@ -33,7 +35,8 @@ def _compiled_model_logits():
 class CompiledForward:
     """`model_logits` of a model, compiled. Every count (tokens, requests, rows kept, cache blocks) is a dynamic
     dimension of its own, so one compile serves every bucket, cache size and step; a count of one would be
-    specialised, so callers pass at least two requests and rows kept, and run steps of over max_tokens eagerly. The
+    specialised, so callers pass at least MIN_COUNT requests and rows kept (`compiled_buckets`, `pad_counts`), and
+    run steps of over max_tokens eagerly. The
     block table's width is static: callers pad tables to the replay's width, and a call that widens it compiles
     again, as does each attention backend (one for decode, one for prompt tokens under "flash_prefill")."""
 
@@ -78,6 +81,23 @@ class CompiledForward:
             return False
         from_ids = self.eager(ids, positions, meta, keep)
         return bool(((from_ids == from_embeddings) | (from_ids.isnan() & from_embeddings.isnan())).all())
+
+
+def compiled_buckets(compiled: CompiledForward | None,
+                     buckets: list[int]) -> tuple[list[int], CompiledForward | None]:
+    """The decode buckets a replay over `compiled` captures, and the forward of the other steps: without the bucket of
+    one, compiled; or where it is the only bucket (max_batch_size=1), that bucket, and the other steps eager (only the
+    replayed decode step is compiled)."""
+    if compiled is None or buckets[-1] < MIN_COUNT:
+        return buckets, None
+    return [b for b in buckets if b >= MIN_COUNT], compiled
+
+
+def pad_counts(columns) -> None:
+    """Pad a step's columns (`scheduler.plan.StepColumns`) to MIN_COUNT requests and rows kept, for the compiled
+    forward: the padding requests read and store nothing, the padding rows repeat the last row kept."""
+    columns.pad_requests(MIN_COUNT)
+    columns.keep += (columns.keep[-1:] or [0]) * (MIN_COUNT - len(columns.keep))
 
 
 def eager_forward(model: torch.nn.Module):

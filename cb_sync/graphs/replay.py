@@ -5,11 +5,10 @@ device and is launched again if that step is redone after a top-k tie (`ReplayOu
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from ..sampling.sampler import SamplerKind, sample, sampler_kind
+from ..sampling.penalties import PenaltyKind
+from ..sampling.sampler import SamplerKind, sample
 from ..scheduler.plan import step_columns
 from ..step.buffers import StepBuffers
 from ..step.output import StepOutput
@@ -20,21 +19,34 @@ from .capture import DecodeGraphs, model_fingerprint
 class DecodeReplay:
     """Static buffers at the largest bucket, the step a graph records (`decode_step`), captured for every bucket of a
     sampler kind at once, on that kind's first pure-decode step; `run` launches a plan's replay. forward:
-    eager_forward or a CompiledForward."""
+    eager_forward or a CompiledForward. It owns the state its outputs share (the device and host outputs, which output
+    was launched last, which is stale): a `ReplayOutput` reads it and asks the replay to launch or redo it."""
 
     def __init__(self, forward, cache, backend, tuning, buckets: list[int]):
+        n, device = buckets[-1], cache.device
         self.forward = forward
         self.cache = cache
         self.backend = backend
         self.tuning = tuning
         self.buckets = buckets
-        self.max_batch = buckets[-1]
-        self.graphs = DecodeGraphs(cache.device)
+        self.max_batch = n
+        self.graphs = DecodeGraphs(device)
         self.width = 0                  # block table columns of the static buffers
+        self.buffer_sets: dict[PenaltyKind | None, StepBuffers] = {}    # the static buffers at this width, by
+                                                                        # penalty kind (None: no penalties)
+        self.buffers: StepBuffers | None = None     # this call's (`begin_call`)
         self.recorded = None            # what this call's graphs record besides the forward (`begin_call`)
         self.history = None             # the token history this call's penalties read (None: no penalties)
-        self.latest = None              # the output launched last
-        self.warmup_seconds = 0.0       # uncaptured first runs per bucket: compile, autotune, lazy init
+        self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_logprobs = torch.zeros(n, device=device)
+        self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
+        # the outputs on the host, two in turn: one step's are read while the next step's are on their way (flat, so
+        # that every step's [fields, rows] view is contiguous: a copy into a strided host view would wait for the step)
+        self.out_host = [torch.zeros(3 * n, dtype=torch.float64, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.out_turn = 0
+        self.latest: ReplayOutput | None = None     # the output launched last
+        self.stale: ReplayOutput | None = None      # an output launched after a step later redone, which took that
+                                                    # step's tied token: launched again before it is read or followed
 
     def begin_call(self, max_blocks_per_request: int, modules: list, penalties, history) -> None:
         """Widen the static buffers where a request needs more blocks, take those of the call's penalty terms
@@ -43,7 +55,7 @@ class DecodeReplay:
         backend's decode reads them at run time: then graphs outlive a release and the pools' new addresses)."""
         if max_blocks_per_request > self.width:
             self.width = 1 << (max_blocks_per_request - 1).bit_length()
-            self._allocate_buffers()
+            self.buffer_sets = {}
         self.history = history
         if penalties not in self.buffer_sets:
             n = self.max_batch
@@ -61,16 +73,9 @@ class DecodeReplay:
         """Keep the graphs only if they recorded this call's `recorded` state and the forward as it is now."""
         self.graphs.keep_if((self.recorded, getattr(self.forward, "active", None)))
 
-    def _allocate_buffers(self) -> None:
-        n, device = self.max_batch, self.cache.device
-        self.buffer_sets = {}           # by PenaltyKind (None: no penalties): the static buffers of a call's steps
-        self.out_tokens = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_logprobs = torch.zeros(n, device=device)
-        self.out_tied = torch.zeros(n, dtype=torch.bool, device=device)
-        # the outputs on the host, two in turn: one step's are read while the next step's are on their way (flat, so
-        # that every step's [fields, rows] view is contiguous: a copy into a strided host view would wait for the step)
-        self.out_host = [torch.zeros(3 * n, dtype=torch.float64, pin_memory=device.type == "cuda") for _ in range(2)]
-        self.out_turn = 0
+    def release(self) -> None:
+        """Free the captured graphs and their memory pool."""
+        self.graphs.release()
 
     def serves(self, plan) -> bool:
         return len(plan) <= self.max_batch and is_pure_decode(plan)
@@ -92,10 +97,10 @@ class DecodeReplay:
         if tied is not None:
             self.out_tied[:bucket].copy_(tied)
 
-    def run(self, plan, after: ReplayOutput | None = None) -> ReplayOutput:
-        """Launch the plan's replay; after: the step just launched, which the plan continues (see ModelRunner)."""
+    def run(self, plan, kind: SamplerKind, after: ReplayOutput | None = None) -> ReplayOutput:
+        """Launch the plan's replay with its rows' sampler; after: the step just launched, which the plan continues
+        (see ModelRunner)."""
         bucket = bucket_for(len(plan), self.buckets)
-        kind = sampler_kind(chunk.request.params for chunk in plan)
         if self.graph_key(bucket, kind) not in self.graphs:
             assert after is None, "a step launched ahead replays the graph of the step before it"
             self._capture_all(kind)
@@ -105,15 +110,45 @@ class DecodeReplay:
         output.launch(ids_on_device=after is not None)
         return output
 
+    def launch(self, output: ReplayOutput, ids_on_device: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Replay an output's graph over its plan's inputs (the input ids those the last step sampled, on the device,
+        where ids_on_device) and start the copy of its outputs to the next host buffer. Returns that buffer's view
+        and the copy's event (None off CUDA, where the copy is done)."""
+        n = len(output.plan)
+        if self.stale is output:
+            self.stale = None
+        self.write_inputs(output.plan, output.bucket)
+        if ids_on_device:
+            self.buffers.views["input_ids"][:n].copy_(self.out_tokens[:n])
+        self.graphs.replay(self.graph_key(output.bucket, output.kind))
+        outputs = self.outputs(n, output.kind)
+        host = self.out_host[self.out_turn][:outputs.numel()].view(outputs.shape)
+        self.out_turn ^= 1
+        host.copy_(outputs, non_blocking=True)
+        done = None
+        if self.cache.device.type == "cuda":        # pinned host buffers: the copy is asynchronous
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.cache.device))
+        self.latest = output
+        return host, done
+
+    def redo(self, output: ReplayOutput) -> list[list[float]]:
+        """An output's step again, uncaptured, over the sorted vocabulary (after a top-k tie ran past the candidates);
+        the output launched after it, which took the tie's token, is then stale. Returns the outputs' rows."""
+        if self.latest is not output:
+            self.latest.wait()
+            self.stale = self.latest
+            self.write_inputs(output.plan, output.bucket)
+        self.decode_step(output.bucket, SamplerKind.SORTED)
+        return self.outputs(len(output.plan), SamplerKind.SORTED).tolist()
+
     def warm_up(self, bucket: int | None = None, kind: SamplerKind = SamplerKind.GREEDY) -> None:
         """Run a bucket's step (None: the largest) once, uncaptured, on rows that store and read nothing: compile,
         autotune and lazy initialisation happen here."""
-        start = time.perf_counter()
         self.write_inputs([], self.max_batch)
         self.decode_step(bucket or self.max_batch, kind)
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize()
-        self.warmup_seconds += time.perf_counter() - start
 
     def _capture_all(self, kind: SamplerKind) -> None:
         """Warm up and capture every bucket for this sampler, largest first; all again uncompiled if a compile fails
@@ -142,34 +177,26 @@ class DecodeReplay:
 class ReplayOutput(StepOutput):
     """A replayed step whose outputs are on their way to the host. A CANDIDATES step whose top-k tie ran past the
     candidates (rare) is redone uncaptured over the sorted vocabulary; the step launched after it took the tie's
-    token, so it is marked stale and launched again before it is read or followed."""
+    token, so it is stale (`DecodeReplay.stale`) and launched again before it is read or followed. relaunched: it was
+    launched again; redone: it was redone after a tie."""
 
     keeps_tokens_on_device = True
 
     def __init__(self, replay: DecodeReplay, plan, bucket: int, kind: SamplerKind, ahead: bool):
         super().__init__(plan, "replay", kind, ahead)
         self.replay, self.bucket = replay, bucket
-        self.stale = False
-        self.relaunched = False     # launched again after it went stale
-        self.redone = False         # redone over the sorted vocabulary after a tie
+        self.host: torch.Tensor | None = None       # its outputs [fields, rows] on the host, once `done`
+        self.done: torch.cuda.Event | None = None   # the copy to `host` (None: done)
+        self.relaunched = False
+        self.redone = False
+
+    @property
+    def stale(self) -> bool:
+        return self.replay.stale is self
 
     def launch(self, ids_on_device: bool) -> None:
-        replay, n = self.replay, len(self.plan)
-        if self.stale:
-            self.stale, self.relaunched = False, True
-        replay.write_inputs(self.plan, self.bucket)
-        if ids_on_device:
-            replay.buffers.views["input_ids"][:n].copy_(replay.out_tokens[:n])
-        replay.graphs.replay(replay.graph_key(self.bucket, self.kind))
-        outputs = replay.outputs(n, self.kind)
-        self.host = replay.out_host[replay.out_turn][:outputs.numel()].view(outputs.shape)
-        replay.out_turn ^= 1
-        self.host.copy_(outputs, non_blocking=True)
-        self.done = None
-        if replay.cache.device.type == "cuda":        # pinned host buffers: the copy is asynchronous
-            self.done = torch.cuda.Event()
-            self.done.record(torch.cuda.current_stream(replay.cache.device))
-        replay.latest = self
+        self.relaunched = self.relaunched or self.stale
+        self.host, self.done = self.replay.launch(self, ids_on_device)
 
     def wait(self) -> list[list[float]]:
         if self.done is not None:
@@ -181,15 +208,6 @@ class ReplayOutput(StepOutput):
             self.launch(ids_on_device=False)
         rows = self.wait()
         if self.kind is SamplerKind.CANDIDATES and any(rows[2]):
-            rows = self._redo()
+            rows = self.replay.redo(self)
+            self.redone = True
         return [int(t) for t in rows[0]], rows[1]
-
-    def _redo(self) -> list[list[float]]:
-        replay, n = self.replay, len(self.plan)
-        if replay.latest is not self:
-            replay.latest.wait()
-            replay.latest.stale = True
-            replay.write_inputs(self.plan, self.bucket)
-        replay.decode_step(self.bucket, SamplerKind.SORTED)
-        self.redone = True
-        return replay.outputs(n, SamplerKind.SORTED).tolist()
