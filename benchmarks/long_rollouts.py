@@ -17,7 +17,7 @@ memory it holds), and for cb_sync the KV it allocated, its preemptions and the t
 and the median replayed decode step at 1k / 4k / 8k (16k) tokens of context against that step's floor. An HF call
 still running when its time runs out stops there; its row is the rate over the tokens it made.
 
---predict-caps replays cb_sync's own Scheduler against each cap's blocks (every request sampling one token a step),
+--predict-caps replays cb_sync's own FIFOScheduler against each cap's blocks (every request sampling one token a step),
 with a clock: the step's roofline (and a measured prefill rate), or with --step-times a clock fitted to a run's
 measured uncapped steps, ms = a + b x requests + c x KV GB, the KV priced as the decode kernel spends it: requests x
 the longest request's context. A prediction to check against `--max-cache-gib`, not a measurement.
@@ -259,14 +259,13 @@ def fitted_clock(path: Path):
 
 def replay(batch: int, prompt_len: int, new_tokens: int, cap_gib: float, max_batch_tokens: int,
            step_ms=roofline_ms) -> dict:
-    """One call through the Scheduler against `cap_gib` of KV blocks (distinct prompts); a step costs
+    """One call through the FIFOScheduler against `cap_gib` of KV blocks (distinct prompts); a step costs
     step_ms(each request's context) and PREFILL_S_PER_TOKEN a prefilled token."""
+    from cb_sync.cache import BlockAllocator
     from cb_sync.config import SamplingParams
-    from cb_sync.engine.block_allocator import BlockAllocator
-    from cb_sync.engine.request import Request
-    from cb_sync.engine.scheduler import Scheduler
+    from cb_sync.scheduler import FIFOScheduler, Request
     num_blocks = int(cap_gib * 2**30) // (KV_BYTES_PER_TOKEN * BLOCK_SIZE)
-    scheduler = Scheduler(BlockAllocator(num_blocks), BLOCK_SIZE, max_batch_tokens, batch, prefix_sharing=False)
+    scheduler = FIFOScheduler(BlockAllocator(num_blocks), BLOCK_SIZE, max_batch_tokens, batch, prefix_sharing=False)
     params = SamplingParams(max_new_tokens=new_tokens, eos_token_id=[])
     requests = [Request(i, [i] * prompt_len, params, seed=0, eos_ids=frozenset()) for i in range(batch)]
     for request in requests:

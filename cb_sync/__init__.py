@@ -2,7 +2,7 @@
 
 from .config import CBConfig, SamplingParams
 from .engine.driver import SyncCBDriver
-from .engine.request import GenerationResult
+from .scheduler.request import GenerationResult
 
 __all__ = ["CBConfig", "GenerationResult", "SamplingParams", "SyncCBDriver"]
 __version__ = "0.1.0"

@@ -7,9 +7,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from cb_sync.integrations.trl import attention_warmup
-from cb_sync.integrations.trl.attention_warmup import (WARM_LENGTHS, AttentionWarmup, reentrant_checkpointing,
-                                                   prefers_cudnn_attention, warm_attention)
+from cb_sync.integrations.trl.training import attention_warmup
+from cb_sync.integrations.trl.training.attention_warmup import (WARM_LENGTHS, AttentionWarmup, prefers_cudnn_attention,
+                                                            reentrant_checkpointing, warm_attention)
 from conftest import make_model
 
 
@@ -135,7 +135,7 @@ def test_trainer_warms_each_variety_before_its_first_forward_and_trains_the_same
                                                                                  group_by_length):
     from cb_sync import CBConfig
     from cb_sync.integrations import trl as cb_trl
-    from cb_sync.integrations.trl import length_groups
+    from cb_sync.integrations.trl.training import length_groups
     from test_integration_trl import dataset, even_fraction, grpo_args, tiny_model, tokenizer
     monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 32)    # widened forwards stay shorter than the warm-up's
 
@@ -211,7 +211,7 @@ def test_faulty_width_widened_gives_finite_gradients_on_cuda():
     """A 704-wide forward with left padding (64 past a multiple of 128) through SDPA on the GPU: widened by
     `clear_of_faulty_width`, every parameter's gradient is finite. Whether the unwidened forward's gradients are (torch
     2.11's cuDNN attention fault, pytorch/pytorch#196678) is printed, not asserted: it depends on torch's version."""
-    from cb_sync.integrations.trl.length_groups import clear_of_faulty_width
+    from cb_sync.integrations.trl.training.length_groups import clear_of_faulty_width
     model = _lora_qwen3_in_training().to("cuda")
     ids = torch.randint(3, model.config.vocab_size, (2, 704), device="cuda")
     mask = torch.ones_like(ids)

@@ -9,7 +9,7 @@ from peft import LoraConfig
 from torch._dynamo.utils import counters
 
 from cb_sync import CBConfig, SyncCBDriver
-from cb_sync.integrations.trl.training_step_compile import CompiledLayers, decoder_layers
+from cb_sync.integrations.trl.training.training_step_compile import CompiledLayers, decoder_layers
 from conftest import make_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -34,7 +34,7 @@ def test_decoder_layers_are_found_and_switched_layers_restored_when_nested_and_o
 
 
 def test_trainer_rejects_compile_layers_it_cannot_run(tmp_path, monkeypatch):
-    from cb_sync.integrations.trl import training_step_compile
+    from cb_sync.integrations.trl.training import training_step_compile
     from cb_sync.integrations.trl import CBSyncGRPOTrainer
     from test_integration_trl import dataset, even_fraction, grpo_args, tiny_model, tokenizer
 

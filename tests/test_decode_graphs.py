@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.engine.kv_cache import offsets_to_pools
-from cb_sync.runner.cuda_graphs import model_fingerprint
+from cb_sync.cache.paged_cache import offsets_to_pools
+from cb_sync.graphs import compiled, model_fingerprint
 from cb_sync.model_patching.swaps import module_list
-from cb_sync.runner import compiled
 from cb_sync.sampling.sampler import CANDIDATES, MAX_CANDIDATE_TOP_K, SamplerKind, sampler_kind
 
 from conftest import StepLog, hf_greedy, make_model, random_prompts

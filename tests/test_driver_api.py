@@ -470,7 +470,7 @@ def test_a_gpu_with_less_free_memory_than_the_cap_preempts_instead_of_running_ou
 
 
 def test_device_room_counts_free_unused_and_held_memory_less_the_headroom(monkeypatch):
-    from cb_sync.engine.kv_cache import device_room
+    from cb_sync.cache.sizing import device_room
     assert device_room(torch.device("cpu"), 10 ** 9, 2**30) is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**30)
@@ -485,8 +485,8 @@ def test_step_headroom_is_at_least_the_floor_and_grows_with_the_step_and_the_mod
     """The Qwen3-4B shape at 16,384 tokens a step (~1.3 GiB measured beside weights and KV) stays at the 2 GiB floor;
     a Qwen3-32B shape there needs more, in proportion to the step's tokens above the floor."""
     from types import SimpleNamespace
-    from cb_sync.engine.kv_cache import step_headroom
-    from cb_sync.engine.kv_cache import MIN_STEP_HEADROOM_BYTES
+    from cb_sync.cache.sizing import step_headroom
+    from cb_sync.cache.sizing import MIN_STEP_HEADROOM_BYTES
     shape = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
     small = SimpleNamespace(hidden_size=2560, intermediate_size=9728, **shape)
     large = SimpleNamespace(hidden_size=5120, intermediate_size=25600, **{**shape, "num_attention_heads": 64})
@@ -500,7 +500,7 @@ def test_the_room_kept_for_a_step_is_the_models_estimate_and_named(model, monkey
     """The driver keeps step_headroom(model's config, max_batch_tokens, max_batch_size, dtype size) free beside the
     cache (a step of a million tokens: above the 2 GiB floor), and names it where the free memory sets the limit."""
     import cb_sync.engine.driver as driver_module
-    from cb_sync.engine.kv_cache import step_headroom
+    from cb_sync.cache.sizing import step_headroom
     driver = SyncCBDriver(model, CBConfig(max_batch_tokens=10**6, max_batch_size=8))
     kept = []
     monkeypatch.setattr(driver_module, "device_room", lambda device, held, headroom: kept.append(headroom) or 2**20)

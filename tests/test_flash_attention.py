@@ -12,7 +12,7 @@ import torch
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.attention import flash_ops, sdpa_paged, triton_kernels, triton_ops
-from cb_sync.runner.cuda_graphs import is_pure_decode
+from cb_sync.graphs import is_pure_decode
 
 from conftest import hf_greedy, make_model, random_prompts
 

@@ -1,5 +1,5 @@
-"""cb_sync.integrations.trl.gc_points: the garbage collector's objects collected and frozen at train begin, after
-the first optimizer step and after any step a full collection ran in, never inside a step, and unfrozen when
+"""cb_sync.integrations.trl.training.gc_points: the garbage collector's objects collected and frozen at train begin,
+after the first optimizer step and after any step a full collection ran in, never inside a step, and unfrozen when
 training ends or fails; the trainer wires it in."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("trl")
 
-from cb_sync.integrations.trl import gc_points  # noqa: E402
-from cb_sync.integrations.trl.gc_points import GcPoints  # noqa: E402
+from cb_sync.integrations.trl.training import gc_points  # noqa: E402
+from cb_sync.integrations.trl.training.gc_points import GcPoints  # noqa: E402
 
 
 @pytest.fixture

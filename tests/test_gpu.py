@@ -13,7 +13,7 @@ from cb_sync import CBConfig, SamplingParams, SyncCBDriver
 from cb_sync.lora import lora_kernels
 from cb_sync.model_patching.generation_mode import generation_mode
 from cb_sync.sampling.sampler import SamplerKind
-from cb_sync.engine.scheduler import Scheduler
+from cb_sync.scheduler import FIFOScheduler
 
 from conftest import StepLog, make_model, random_prompts
 
@@ -105,7 +105,7 @@ def test_steps_launched_ahead_equal_steps_run_one_by_one(sampler, monkeypatch):
     ahead = SyncCBDriver(model, config, observer=steps).generate(prompts, params)
     launches = [step.ahead for step in steps if step.path == "replay"]
     assert sum(launches) >= 5 and not all(launches)
-    monkeypatch.setattr(Scheduler, "plan_ahead", lambda self, plan: None)
+    monkeypatch.setattr(FIFOScheduler, "plan_ahead", lambda self, plan: None)
     one_by_one = SyncCBDriver(model, config).generate(prompts, params)
     assert [r.token_ids for r in ahead] == [r.token_ids for r in one_by_one]
     assert any(r.finish_reason == "stop" for r in ahead)
@@ -168,7 +168,7 @@ def test_a_card_with_less_free_memory_than_the_call_needs_preempts_instead_of_ru
     (~320 MiB of KV at once) preempts and recomputes, and its greedy tokens are a roomy call's."""
     import logging
     from transformers import AutoModelForCausalLM, Qwen3Config
-    from cb_sync.engine.kv_cache import device_room, step_headroom
+    from cb_sync.cache.sizing import device_room, step_headroom
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=256, max_position_embeddings=1024,

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cb_sync.config import SamplingParams
-from cb_sync.runner.cuda_graphs import bucket_for, decode_buckets, is_pure_decode
-from cb_sync.engine.request import Request
-from cb_sync.engine.scheduler import ScheduledChunk
+from cb_sync.graphs import bucket_for, decode_buckets, is_pure_decode
+from cb_sync.scheduler import Request, ScheduledChunk
 
 
 def test_buckets():

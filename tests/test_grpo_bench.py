@@ -99,7 +99,7 @@ def test_tiny_g2_eos_live(tmp_path):
 def test_synthetic_rollouts_give_every_run_the_same_completions(tmp_path):
     """The training half alone: grouped and TRL's micro-batches train on the same completions; TRL pads a whole
     rollout to one width, the grouped forwards have widths of their own, widened to WIDTH_MULTIPLE columns."""
-    from cb_sync.integrations.trl.length_groups import WIDTH_MULTIPLE
+    from cb_sync.integrations.trl.training.length_groups import WIDTH_MULTIPLE
     runs = [grpo.main(["--tiny", "--workload", "G2", "--backends", "cb_sync", "--synthetic-rollouts",
                        "--cb-group-by-length", group, "--name", group, "--out", str(tmp_path)])[0]
             for group in ("on", "off")]

@@ -16,8 +16,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from cb_sync import CBConfig, SyncCBDriver  # noqa: E402
 from cb_sync.integrations.transformers import disable, enable  # noqa: E402
-from cb_sync.integrations.trl import exact_mode, generation, logprob_gap  # noqa: E402
+from cb_sync.integrations.trl import exact_mode, generation  # noqa: E402
 from cb_sync.integrations.trl import trainer as trl_trainer  # noqa: E402
+from cb_sync.integrations.trl.training import logprob_gap  # noqa: E402
 from cb_sync.integrations.trl import CBSyncGRPOTrainer  # noqa: E402
 
 VOCAB = 128

@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM, GPT2Config  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from cb_sync import CBConfig  # noqa: E402
-from cb_sync.integrations.trl import length_groups  # noqa: E402
-from cb_sync.integrations.trl.length_groups import by_length, left_padded, padding_columns, right_extended  # noqa: E402
+from cb_sync.integrations.trl.training import length_groups  # noqa: E402
+from cb_sync.integrations.trl.training.length_groups import (by_length, left_padded, padding_columns,  # noqa: E402
+                                                             right_extended)
 from cb_sync.integrations.trl import CBSyncGRPOTrainer  # noqa: E402
 
 from test_integration_trl import dataset, even_fraction, grpo_args, logged, tiny_model, tokenizer  # noqa: E402
@@ -170,7 +171,7 @@ def test_unmasked_forwards_on_cudnn_attention_widen_on_the_right(trainer, monkey
     """Where SDPA takes cuDNN attention, a chunk without padding reaches TRL widened to a multiple of
     UNMASKED_WIDTH_MULTIPLE, still unmasked, and its logprobs and entropies are TRL's at the chunk's own width (fp32;
     the wider products round differently)."""
-    from cb_sync.integrations.trl import logprob_forwards
+    from cb_sync.integrations.trl.training import logprob_forwards
     widths, trl_forward = [], GRPOTrainer._get_per_token_logps_and_entropies
 
     def recording(self, model, input_ids, attention_mask, *args, **kwargs):
@@ -212,7 +213,7 @@ def test_gradient_forwards_on_cudnn_attention_avoid_the_faulty_width(tmp_path, m
     """Where SDPA takes cuDNN attention, a forward with gradients and padding never reaches TRL at a faulty width (the
     grouped path through WIDTH_MULTIPLE, even when set to 1, TRL's own by one more widening), and its logprobs are
     TRL's on the real tokens (fp32; rotary positions shift, equal up to rounding). Without gradients the width stays."""
-    from cb_sync.integrations.trl import attention_warmup, logprob_forwards
+    from cb_sync.integrations.trl.training import attention_warmup, logprob_forwards
     monkeypatch.setattr(length_groups, "WIDTH_MULTIPLE", 1)
     monkeypatch.setattr(attention_warmup, "warm_attention", lambda *args, **kwargs: None)
     trainer = CBSyncGRPOTrainer(model=tiny_model(), reward_funcs=even_fraction,

@@ -1,6 +1,7 @@
 """Workload L's benchmark on the CPU (tiny Qwen3): its rows, preemptions under a KV cap with no request lost, the
-per-context step times, the merge of several runs' rows, and the KV cap's predicted cost (the real Scheduler replayed:
-no preemption where the cap holds the batch, preemptions, recomputed tokens and a slower clock where it does not)."""
+per-context step times, the merge of several runs' rows, and the KV cap's predicted cost (the real FIFOScheduler
+replayed: no preemption where the cap holds the batch, preemptions, recomputed tokens and a slower clock where it does
+not)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig, get_peft_model
 
-from cb_sync.integrations.trl import lora_input_casts
-from cb_sync.integrations.trl.lora_input_casts import input_casts, round_trip_layers
+from cb_sync.integrations.trl.training import lora_input_casts
+from cb_sync.integrations.trl.training.lora_input_casts import input_casts, round_trip_layers
 from conftest import make_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -11,10 +11,9 @@ from transformers.generation.logits_process import (LogitsProcessor, LogitsProce
                                                     RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor)
 
 from cb_sync import CBConfig, SamplingParams, SyncCBDriver
-from cb_sync.engine.request import Request
-from cb_sync.engine.scheduler import Scheduler
 from cb_sync.sampling.penalties import (PENALTY_COLUMNS, PenaltyBatch, TokenHistory, apply_penalties, penalty_columns,
                                         penalty_kind)
+from cb_sync.scheduler import FIFOScheduler, Request
 
 from conftest import StepLog, make_model, random_prompts
 
@@ -200,7 +199,7 @@ def test_steps_launched_ahead_equal_eager_and_one_by_one_steps_on_random_workloa
     ahead = SyncCBDriver(model, config, static_decode=True, observer=steps).generate(prompts, params)
     eager = SyncCBDriver(model, config).generate(prompts, params)
     assert any(step.ahead for step in steps if step.path == "replay")
-    monkeypatch.setattr(Scheduler, "plan_ahead", lambda self, plan: None)
+    monkeypatch.setattr(FIFOScheduler, "plan_ahead", lambda self, plan: None)
     one_by_one = SyncCBDriver(model, config, static_decode=True).generate(prompts, params)
     for other in (eager, one_by_one):
         assert [r.token_ids for r in ahead] == [r.token_ids for r in other]

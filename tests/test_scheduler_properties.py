@@ -7,11 +7,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cb_sync.engine.block_allocator import BlockAllocator
-from cb_sync.engine.kv_cache import blocks_for
+from cb_sync.cache import BlockAllocator
+from cb_sync.cache.sizing import blocks_for
 from cb_sync.config import SamplingParams
-from cb_sync.engine.request import Request, Status
-from cb_sync.engine.scheduler import Scheduler
+from cb_sync.scheduler import FIFOScheduler, Request, Status
 
 
 @given(st.lists(st.sampled_from(["alloc", "share", "free"]), max_size=60), st.integers(1, 8))
@@ -44,7 +43,7 @@ request_specs = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.in
 def test_scheduler_invariants(specs, block_size, budget, max_batch, sharing, salt):
     capacity = max(blocks_for(p + n, block_size) for p, n, _ in specs) + salt % 4
     allocator = BlockAllocator(capacity)
-    scheduler = Scheduler(allocator, block_size, budget, max_batch, prefix_sharing=sharing)
+    scheduler = FIFOScheduler(allocator, block_size, budget, max_batch, prefix_sharing=sharing)
     requests = []
     for i, (prompt_len, new, family) in enumerate(specs):
         prompt = [family] * (prompt_len - 1) + [i % 7]           # families share long prefixes

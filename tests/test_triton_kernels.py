@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("triton")
 
 from cb_sync.attention import sdpa_paged, triton_kernels, triton_ops  # noqa: E402
-from cb_sync.engine.kv_cache import offsets_to_pools  # noqa: E402
+from cb_sync.cache.paged_cache import offsets_to_pools  # noqa: E402
 from cb_sync.tuning import AttentionTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""The engine: requests, the FIFO scheduler, the paged KV cache and its blocks, input checks, and the driver's loop.
+"""The top floor: the driver's loop (`driver`), its input checks, and one driver call at a time.
 
-The submodules are imported by name (`cb_sync.engine.driver`, ...): the runner below the driver reads requests and
-the cache from here, so this package imports nothing of its own at load."""
+The submodules are imported by name (`cb_sync.engine.driver`, ...). `kv_cache`, `block_allocator`, `request` and
+`scheduler` are the old paths of what now lives in `cb_sync.cache` and `cb_sync.scheduler`."""

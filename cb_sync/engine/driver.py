@@ -17,21 +17,20 @@ from ..batch_invariant import attention as invariant
 from ..batch_invariant import check_model, invariant_ops
 from ..batch_invariant.fused_forwards import fused_forwards
 from ..batch_invariant.lora import invariant_tuning
+from ..cache import BlockAllocator, PagedAttentionCache
+from ..cache.sizing import (attention_heads, blocks_at_once, blocks_for, blocks_to_allocate, device_room,
+                            step_headroom)
 from ..config import CBConfig, SamplingParams
+from ..graphs import CompiledForward, DecodeReplay, decode_buckets, eager_forward
+from ..graphs.compiled import compiled_buckets
 from ..lora import kernel_row_limit, lora_kernels
 from ..model_patching.generation_mode import generation_mode
 from ..model_patching.support import check_supported
 from ..model_patching.swaps import base_model
-from ..runner import CompiledForward, DecodeReplay, ModelRunner, StepOutput
-from ..runner.compiled import eager_forward
-from ..runner.cuda_graphs import decode_buckets
+from ..runner import ModelRunner, StepOutput
+from ..scheduler import FIFOScheduler, GenerationResult, Request, Status
 from ..tuning import LoraTuning
-from .block_allocator import BlockAllocator
 from .call_lock import one_call_at_a_time
-from .kv_cache import (PagedKVCache, attention_heads, blocks_at_once, blocks_for, blocks_to_allocate, device_room,
-                       step_headroom)
-from .request import GenerationResult, Request, Status
-from .scheduler import Scheduler
 from .prompts import pad_ids, prompt_rows
 from .validation import build_requests, check_fits, check_materialized, warn_of_doubtful_input
 
@@ -91,7 +90,7 @@ class SyncCBDriver:
         embeddings = base.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
         _, num_kv_heads, head_dim = attention_heads(text_config)
-        self.cache = PagedKVCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
+        self.cache = PagedAttentionCache(text_config.num_hidden_layers, num_kv_heads, head_dim, self.config.block_size,
                                   self.dtype, self.device)
         self.backends = StepBackends(invariant, invariant) if self.config.batch_invariant else select_backends(
             self.config.attn_backend, self.device, self.dtype)
@@ -104,16 +103,10 @@ class SyncCBDriver:
         static = self.static_decode if self.static_decode is not None else (
             self.device.type == "cuda" and self.backends.decode is not sdpa_paged)
         if cfg.cuda_graphs and static:
-            compiled = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
-            # A compiled step specialises a count of one into a compile of its own, so one request is padded to two
-            # rows and the bucket of one is dropped, unless it is the only bucket (max_batch_size=1): then only the
-            # replayed decode step is compiled, and the other steps run eagerly.
-            buckets = [b for b in decode_buckets(cfg.max_batch_size) if not compiled or b > 1
-                       or b == cfg.max_batch_size]
-            replay = DecodeReplay(compiled or eager_forward(self.model), self.cache, self.backends.decode, tuning,
+            forward = CompiledForward(self.model, kernel_row_limit(self.model)) if cfg.compile else None
+            buckets, compiled = compiled_buckets(forward, decode_buckets(cfg.max_batch_size))
+            replay = DecodeReplay(forward or eager_forward(self.model), self.cache, self.backends.decode, tuning,
                                   buckets)
-            if buckets[0] == 1:
-                compiled = None
         return ModelRunner(self.model, self.cache, self.backends, tuning, replay, compiled, self.observer)
 
     def _follow_model(self) -> None:
@@ -216,7 +209,7 @@ class SyncCBDriver:
         Args:
             keep_graphs: keep the captured decode graphs (their memory: one decode step's activations per bucket, in
                 one pool). They are replayed again over the new cache: the Triton backend's decode reaches the pools
-                through a table of where they lie (`PagedKVCache.pool_offsets`), wherever they land; other backends'
+                through a table of where they lie (`PagedAttentionCache.pool_offsets`), wherever they land; other backends'
                 graphs only where the pools come back at the same addresses, else they are captured again. Kept
                 graphs keep the token ids that penalties read (8 bytes a cache slot, `sampling.penalties.TokenHistory`).
 
@@ -234,7 +227,7 @@ class SyncCBDriver:
         """Steps until every request has finished: a plain step, or a launch-ahead step where the step before was
         replayed and its tokens are not read yet."""
         cfg = self.config
-        scheduler = Scheduler(BlockAllocator(self.cache.num_blocks), cfg.block_size, cfg.max_batch_tokens,
+        scheduler = FIFOScheduler(BlockAllocator(self.cache.num_blocks), cfg.block_size, cfg.max_batch_tokens,
                               cfg.max_batch_size, cfg.prefix_sharing)
         for request in requests:
             scheduler.add(request)
@@ -245,7 +238,7 @@ class SyncCBDriver:
             else:
                 unread = self._launch_ahead_step(scheduler, unread, bar)
 
-    def _plain_step(self, scheduler: Scheduler, bar: tqdm) -> StepOutput | None:
+    def _plain_step(self, scheduler: FIFOScheduler, bar: tqdm) -> StepOutput | None:
         """schedule -> execute -> update. A replayed step's tokens are left unread, and the step returned: the next
         step may be launched before they are read (`_launch_ahead_step`)."""
         plan = scheduler.schedule()
@@ -257,7 +250,7 @@ class SyncCBDriver:
         self._update(scheduler, output, bar)
         return None
 
-    def _launch_ahead_step(self, scheduler: Scheduler, unread: StepOutput, bar: tqdm) -> StepOutput | None:
+    def _launch_ahead_step(self, scheduler: FIFOScheduler, unread: StepOutput, bar: tqdm) -> StepOutput | None:
         """Launch the pure-decode step that continues `unread` (its requests one position on), which takes unread's
         tokens on the device, and only then read them: the host's work overlaps the GPU's. A request that ends on a
         stop or EOS token then has had one more row computed, which is dropped. Returns the step launched, its tokens
@@ -268,7 +261,7 @@ class SyncCBDriver:
         return launched
 
     @staticmethod
-    def _update(scheduler: Scheduler, output: StepOutput, bar: tqdm) -> None:
+    def _update(scheduler: FIFOScheduler, output: StepOutput, bar: tqdm) -> None:
         """Read a step's tokens into its requests and the scheduler; count progress."""
         sampled, tokens, logprobs = output.result()
         live = sum(request.status is not Status.FINISHED for request in sampled)

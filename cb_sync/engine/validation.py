@@ -11,8 +11,8 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from ..config import SamplingParams, as_int, seed_int
 from ..model_patching.swaps import module_list
-from .kv_cache import blocks_for
-from .request import Request
+from ..cache.sizing import blocks_for
+from ..scheduler.request import Request
 
 
 def check_materialized(model: torch.nn.Module) -> None:

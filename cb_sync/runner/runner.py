@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import StepBackends
-from ..engine.kv_cache import PagedKVCache
+from ..cache import PagedAttentionCache
+from ..graphs import CompiledForward, DecodeReplay, eager_forward, is_pure_decode
+from ..graphs.compiled import pad_counts
 from ..sampling.penalties import PenaltyKind, TokenHistory, penalty_kind
-from ..sampling.sampler import sample_exactly, sampler_kind
+from ..sampling.sampler import SamplerKind, sample_exactly, sampler_kind
+from ..scheduler.plan import step_columns
+from ..step import EagerOutput, StepBuffers, StepOutput
 from ..tuning import AttentionTuning
-from .compiled import CompiledForward, eager_forward
-from .cuda_graphs import DecodeReplay, is_pure_decode
-from .inputs import StepBuffers, step_columns
-from .output import EagerOutput, StepOutput
 
 
 @dataclass(eq=False)
@@ -28,7 +28,7 @@ class ModelRunner:
     terms of this call's steps (`begin_call`), which read the tokens every step stores in `history`."""
 
     model: torch.nn.Module
-    cache: PagedKVCache
+    cache: PagedAttentionCache
     backends: StepBackends
     tuning: AttentionTuning
     replay: DecodeReplay | None = None
@@ -53,7 +53,7 @@ class ModelRunner:
     def release(self, keep_graphs: bool) -> None:
         """Free the captured graphs unless keep_graphs, and the token history unless graphs that read it are kept."""
         if self.replay is not None and not keep_graphs:
-            self.replay.graphs.release()
+            self.replay.release()
         if self.replay is None or not keep_graphs:
             self.history.release()
 
@@ -61,26 +61,26 @@ class ModelRunner:
         """Launch the plan. after: the step just launched, not read yet, that the plan continues (`plan_ahead`: the
         same requests one position on); its output must keep its tokens on the device, where this step takes them."""
         started = time.perf_counter()
+        kind = sampler_kind(chunk.request.params for chunk in plan if chunk.samples)
         if self.replay is not None and self.replay.serves(plan):
-            output = self.replay.run(plan, after)
+            output = self.replay.run(plan, kind, after)
         else:
             assert after is None, "only a replayed step continues a step not read yet"
-            output = self._run_uncaptured(plan)
+            output = self._run_uncaptured(plan, kind)
         output.started_at = started
         if self.observer is not None:
             self.observer(output)
         return output
 
-    def _run_uncaptured(self, plan) -> EagerOutput:
+    def _run_uncaptured(self, plan, kind: SamplerKind) -> EagerOutput:
         columns = step_columns(plan, self.cache.block_size)
         compiled = self.compiled is not None and self.compiled.active and \
             len(columns.input_ids) <= self.compiled.max_tokens
         if compiled and self.compiled.from_embeddings is None:
             self.replay.warm_up()             # the compile runs on the decode step and counts as its warm-up
             compiled = self.compiled.active
-        if compiled:        # the compiled step's counts: at least two requests and two rows kept, its table width
-            columns.pad_requests(2)
-            columns.keep += (columns.keep[-1:] or [0]) * (2 - len(columns.keep))
+        if compiled:        # the compiled step's counts, and its table width
+            pad_counts(columns)
         width = self.replay.width if compiled else max(len(blocks) for blocks in columns.tables)
         buffers = StepBuffers.packed(columns, width, self.cache.device, self.penalties)
         backend = self.backends.decode if is_pure_decode(plan) else self.backends.prefill
@@ -90,7 +90,6 @@ class ModelRunner:
         buffers.record_tokens(self.history, len(columns.input_ids))
         logits = (self.compiled if compiled else eager_forward(self.model))(ids, positions, meta, keep)
         sampled = len(columns.samplers)
-        kind = sampler_kind(request.params for request in columns.samplers)
         batch = buffers.sampling(sampled, kind, self.history)
         tokens, logprobs = sample_exactly(logits[:sampled], batch) if sampled else \
             (logits.new_empty(0, dtype=torch.int64), logits.new_empty(0))

@@ -6,7 +6,8 @@ vllm_importance_sampling_correction` hold, and has no other switch for it. `vllm
 on the trainer for one call of TRL's and restores them after, so no vLLM object is ever made or reached:
 `vllm_mode="server"` keeps TRL's tool loop off the colocated engine's length limit, and `_last_loaded_step` is kept
 current so that a `rollout_func` never asks for a weight sync. Outside these calls the trainer is TRL's non-vLLM
-trainer, as it is built."""
+trainer, as it is built. No override serves instead: TRL tests these flags inline in the very methods that must run
+(`_generate_and_score_completions`, `_compute_loss`), not in a hook of their own (`trl_names` lists them)."""
 
 from __future__ import annotations
 

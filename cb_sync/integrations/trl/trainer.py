@@ -4,7 +4,8 @@ The trainer overrides TRL's hooks and hands each job to a part of its own: the r
 (`generation`, also used by TRL's multi-turn tool loop through `_generate_single_turn`); the logprob forwards to
 `logprob_forwards` (with `length_groups` and `attention_warmup`) or, in the exact mode, to `exact_mode`; the logged
 logprob gap to `LogprobGap`; TRL's importance-sampling correction to `importance_sampling`; the garbage collector's
-freezes, outside the steps, to `gc_points`. Everything else is TRL's own code.
+freezes, outside the steps, to `gc_points` (the training step's parts are in `training/`). Everything else is TRL's
+own code; the private TRL names it relies on are listed in `trl_names`.
 
 Several processes (accelerate, DDP): every rank keeps its own driver on its own replica and generates its own slice of
 the prompts; TRL seeds each process differently, so ranks do not duplicate samples; nothing is gathered for
@@ -23,16 +24,16 @@ from ...config import CBConfig
 from ...engine.driver import SyncCBDriver
 from ..transformers import sampling_params_from_generation_config
 from . import exact_mode
-from .attention_warmup import AttentionWarmup
 from .checks import check_arguments, refuse_sharded_parameters
-from .gc_points import GcPoints
 from .generation import CBSyncGeneration
 from .importance_sampling import vllm_importance_sampling
-from .length_groups import by_length, has_learned_positions, length_groups_wanted
-from .logprob_forwards import trimmed_logps_and_entropies, warmed_logps_and_entropies
-from .logprob_gap import LogprobGap
-from .lora_input_casts import input_casts
-from .training_step_compile import CompiledLayers
+from .training.attention_warmup import AttentionWarmup
+from .training.gc_points import GcPoints
+from .training.length_groups import by_length, has_learned_positions, length_groups_wanted
+from .training.logprob_forwards import trimmed_logps_and_entropies, warmed_logps_and_entropies
+from .training.logprob_gap import LogprobGap
+from .training.lora_input_casts import input_casts
+from .training.training_step_compile import CompiledLayers
 
 
 class CBSyncGRPOTrainer(GRPOTrainer):

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ...engine.validation import learned_position_limit
+from ....engine.validation import learned_position_limit
 
 WARM_LENGTHS = (128, 129)       # one length of each kind: a multiple of 128, and not
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...engine.validation import learned_position_limit
+from ....engine.validation import learned_position_limit
 
 # Forwards are widened to a multiple of this many columns: cuDNN attention (PyTorch's SDPA choice on Hopper) builds a
 # plan for every new sequence length, and micro-batches trimmed to their rows would have a new width almost every

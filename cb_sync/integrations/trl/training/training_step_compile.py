@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ...model_patching.swaps import attribute_set
+from ....model_patching.swaps import attribute_set
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

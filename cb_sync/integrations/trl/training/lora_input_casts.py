@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...model_patching.swaps import attribute_set, module_list
+from ....model_patching.swaps import attribute_set, module_list
 
 
 def round_trip_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
