@@ -19,13 +19,20 @@ from cb_sync.batch_invariant.ops import ROWS, invariant_ops, suspended
 from cb_sync.batch_invariant.logprobs import token_logprobs
 from cb_sync.batch_invariant.packing import packed_batch
 from cb_sync.batch_invariant.trainer import default_forward, invariant_token_logprobs, invariant_training
-from cb_sync.batch_invariant.training_attention import (INVARIANT_IMPLEMENTATION, batch_pages,
-                                                        invariant_attention_forward, positions_from_mask)
+from cb_sync.batch_invariant.training_attention import (INVARIANT_IMPLEMENTATION, invariant_attention_forward,
+                                                        positions_from_mask, training_pages)
 from cb_sync.tuning import KernelTuning, LoraTuning
 
 from conftest import make_model, random_prompts
 
 F = torch.nn.functional
+
+
+def padded_pages(attention_mask: torch.Tensor, block_size: int):
+    """The attention's pages of a left- or right-padded batch [B, T] run unpacked: a sequence a row."""
+    rows, length = attention_mask.shape
+    sequences = torch.arange(rows)[:, None].expand(rows, length)
+    return training_pages(positions_from_mask(attention_mask), sequences, rows, length, block_size)
 
 
 def test_invariant_ops_give_a_row_the_same_bits_in_any_batch():
@@ -306,7 +313,7 @@ def test_packed_forward_equals_the_padded_batchs_bit_for_bit():
         packed, _ = invariant_token_logprobs(model, ids, mask, 10, 0.9, block_size=4)
         with invariant_training(model):
             logits = model(input_ids=ids, position_ids=positions_from_mask(mask).clamp(min=0),
-                           cb_pages=batch_pages(mask, 4), use_cache=False).logits[:, -11:-1]
+                           cb_pages=padded_pages(mask, 4), use_cache=False).logits[:, -11:-1]
         padded, _ = token_logprobs(logits.reshape(-1, logits.shape[-1]), ids[:, -10:].flatten(), 0.9)
         real = (mask[:, -10:] * mask[:, -11:-1]).bool()
         assert torch.equal(packed[real], padded.view(3, 10)[real])
@@ -375,7 +382,7 @@ def test_training_attention_matches_sdpa_forward_and_backward():
     q, k, v = (torch.randn(2, h, 10, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 7 + [0] * 3])
     positions = positions_from_mask(mask)
-    out, _ = invariant_attention_forward(None, q, k, v, None, 0.3, cb_pages=batch_pages(mask, 4))
+    out, _ = invariant_attention_forward(None, q, k, v, None, 0.3, cb_pages=padded_pages(mask, 4))
     allowed = (positions[:, None, None, :] <= positions[:, None, :, None]) & (positions[:, None, None, :] >= 0)
     allowed |= (positions < 0)[:, None, :, None]                  # padded queries: any keys (their rows are dropped)
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
@@ -404,7 +411,7 @@ def test_trainer_pages_hold_one_table_per_sequence():
     key = torch.randn(3, 40, 2, 16)
     mask = torch.ones(3, 40, dtype=torch.long)
     mask[1, :7] = 0                                                    # a left-padded row
-    pages = batch_pages(mask, 16)
+    pages = padded_pages(mask, 16)
     k_pages = _paged(key.flatten(0, 1), pages)
     assert pages.tables.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and k_pages.shape == (9, 16, 2, 16)
     assert pages.sequences.tolist() == [0] * 40 + [1] * 40 + [2] * 40

@@ -30,11 +30,13 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 class TrainingPages:
     """Where a forward's tokens (flattened, [B * T]) sit in pages of block_size positions: each sequence owns
     `tables.shape[1]` pages in a row of `tables` (the first of them at position 0), so its slots are also a row of
-    a [sequences, tables.shape[1] * block_size] layout by position. Padding tokens have position -1 and slot -1."""
+    a [sequences, tables.shape[1] * block_size] layout by position. Padding tokens have position -1 and no slot. The
+    real tokens and their slots are found once a forward, so that no layer's copy into pages waits on the host."""
 
     positions: torch.Tensor      # [B * T] each token's position in its sequence
     sequences: torch.Tensor      # [B * T] each token's sequence (its row of tables)
-    slots: torch.Tensor          # [B * T] sequence * width + position
+    real: torch.Tensor           # [R] the indices of the real tokens (position >= 0)
+    real_slots: torch.Tensor     # [R] their slots: sequence * width + position
     tables: torch.Tensor         # [sequences, pages]
     block_size: int
 
@@ -50,24 +52,17 @@ def training_pages(positions: torch.Tensor, sequences: torch.Tensor, num_sequenc
     sequence `longest` tokens; computed once a forward, for every layer."""
     pages = max(1, -(-longest // block_size))
     positions, sequences = positions.flatten(), sequences.flatten()
-    slots = torch.where(positions >= 0, sequences * pages * block_size + positions, torch.full_like(positions, -1))
+    real = (positions >= 0).nonzero()[:, 0]
+    real_slots = sequences[real] * pages * block_size + positions[real]
     tables = torch.arange(num_sequences * pages, device=positions.device).view(num_sequences, pages)
-    return TrainingPages(positions, sequences, slots, tables, block_size)
-
-
-def batch_pages(attention_mask: torch.Tensor, block_size: int) -> TrainingPages:
-    """The pages of a left- or right-padded batch [B, T]: a sequence a row."""
-    rows, length = attention_mask.shape
-    sequences = torch.arange(rows, device=attention_mask.device)[:, None].expand(rows, length)
-    return training_pages(positions_from_mask(attention_mask), sequences, rows, length, block_size)
+    return TrainingPages(positions, sequences, real, real_slots, tables, block_size)
 
 
 def _paged(tokens: torch.Tensor, pages: TrainingPages) -> torch.Tensor:
     """tokens [N, H, D] (N = B * T) in pages [pages, block_size, H, D] at their slots; zeros elsewhere."""
     heads, dim = tokens.shape[1:]
     out = tokens.new_zeros(pages.tables.numel() * pages.block_size, heads, dim)
-    real = pages.slots >= 0
-    out[pages.slots[real]] = tokens[real]
+    out.index_copy_(0, pages.real_slots, tokens.index_select(0, pages.real))
     return out.view(-1, pages.block_size, heads, dim)
 
 
@@ -79,10 +74,8 @@ def _by_sequence(tokens: torch.Tensor, pages: TrainingPages) -> torch.Tensor:
 def _from_sequences(rows: torch.Tensor, pages: TrainingPages) -> torch.Tensor:
     """[sequences, H, width, D] back to the tokens' order [N, H, D] (zeros for padding tokens)."""
     flat = rows.transpose(1, 2).reshape(-1, *rows.shape[1:2], rows.shape[-1])
-    real = pages.slots >= 0
-    out = flat.new_zeros(pages.slots.shape[0], *flat.shape[1:])
-    out[real] = flat[pages.slots[real]]
-    return out
+    out = flat.new_zeros(pages.positions.shape[0], *flat.shape[1:])
+    return out.index_copy_(0, pages.real, flat.index_select(0, pages.real_slots))
 
 
 def _causal_attention(query, key, value, scale, sliding_window, softcap):
